@@ -1,0 +1,91 @@
+"""Decode a random Kimi K3 checkpoint for several steps on this rank.
+
+``DecodeRun`` describes a run (preset, layout, batch, steps, compilation);
+``decode(run)`` executes it on the calling rank (the default process group, or a
+single rank when none is initialised) and returns the live rows of every step's
+output, so runs in different layouts, rank counts or compilers can be compared.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .stock import KimiK3Config, Parallel
+from .stock.batch import DecodeBatch
+from .stock.checkpoint import build_model, random_checkpoint
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    preset: str = "tiny"
+    layout: str = "tp"
+    requests: int = 3
+    q: int = 1
+    padding: int = 1
+    steps: int = 16
+    seed: int = 0
+    experts: str = "bf16"
+    max_num_tokens: int = 8192
+    backend: str | None = None  # None: eager stock; else a torch.compile backend name
+    options: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "bfloat16"  # or "float32" (exact-equivalence checks)
+    layer_timings: bool = False
+
+
+def decode(run: DecodeRun) -> dict[str, Any]:
+    group = dist.group.WORLD if dist.is_initialized() else None
+    par = Parallel(run.layout, group, run.max_num_tokens)
+    config = KimiK3Config.preset(run.preset)
+    model = build_model(config, random_checkpoint(config, run.seed, run.experts), par,
+                        dtype=getattr(torch, run.dtype))
+    batch = DecodeBatch(run.requests, run.q, run.padding, config.vocab_size, seed=run.seed + 1)
+    caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q)
+    timings = _time_layers(model) if run.layer_timings else None
+    step_fn = model
+    if run.backend is not None:
+        step_fn = torch.compile(model, backend=run.backend, options=run.options or None, dynamic=False)
+    outputs, seconds = [], []
+    with torch.no_grad():
+        for _ in range(run.steps):
+            step = batch.step()
+            start = time.perf_counter()
+            out = step_fn(step, caches)
+            seconds.append(time.perf_counter() - start)
+            outputs.append(out[batch.real_rows()].float())
+            batch.accept()
+    result = {"outputs": torch.stack(outputs), "seconds": seconds, "rows": batch.rows,
+              "layers": describe(model)}
+    if timings is not None:
+        result["layer_seconds"] = timings
+    return result
+
+
+def describe(model) -> list[dict[str, Any]]:
+    """Per layer: index, attention kind, MLP kind and this rank's weight shapes."""
+    out = []
+    for layer in model.model.layers:
+        shapes = {name: list(p.shape) for name, p in layer.named_parameters()
+                  if name.startswith(("self_attn.", "block_sparse_moe.experts.", "mlp.")) and p.dim() > 1}
+        out.append({"index": layer.layer_idx, "kind": layer.kind,
+                    "mlp": "moe" if layer.is_moe_layer else "dense", "shapes": shapes})
+    return out
+
+
+def _time_layers(model) -> dict[int, list[float]]:
+    """Wall time of every decoder layer's forward, per call (eager runs only)."""
+    times: dict[int, list[float]] = {}
+    for layer in model.model.layers:
+        def pre(mod, args, _i=layer.layer_idx):
+            mod._t0 = time.perf_counter()
+
+        def post(mod, args, out, _i=layer.layer_idx):
+            times.setdefault(_i, []).append(time.perf_counter() - mod._t0)
+
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
+    return times

@@ -1,0 +1,303 @@
+"""Hugging Face-style Kimi K3 checkpoints: write, read, generate, shard per rank.
+
+Tensor names are the published ones (``model.layers.{i}.self_attn.q_proj.weight``,
+``...block_sparse_moe.experts.{e}.w1.weight_packed``, ...); a ``language_model.``
+prefix (the multimodal K3 checkpoint) is accepted on read. Routed experts are bf16
+``.weight`` or MXFP4 ``.weight_packed`` (uint8, two E2M1 values per byte, low nibble
+= even column) + ``.weight_scale`` (uint8 E8M0, one per 32 values: x 2^(s - 127)),
+dequantised to bf16 on load.
+
+``rank_state_dict`` maps the global tensors to one rank's parameters for a layout,
+as vLLM's loaders do: column-parallel rows and row-parallel columns by TP rank,
+the KDA in-projection packed ``[q|k|v|g|f_a|b|pad]`` with f_a replicated and zero
+pad rows, MLA ``[q_a|kv_a|gate shard]``, TP experts sliced along the FFN width
+(zero-padded to vLLM's minimum), EP experts whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from .config import KimiK3Config
+from .model import KimiLinearForCausalLM
+from .parallel import Parallel
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+# ----------------------------------------------------------------------- MXFP4
+def mxfp4_quantize(w: Tensor) -> tuple[Tensor, Tensor]:
+    """[rows, cols] float -> (packed uint8 [rows, cols/2], scales uint8 [rows, cols/32])."""
+    rows, cols = w.shape
+    g = w.float().view(rows, cols // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    x = (g / torch.exp2(exp)).view(rows, cols)
+    code = (x.abs()[..., None] - E2M1).abs().argmin(-1)
+    code = (code | ((x < 0) & (code > 0)).long() << 3).to(torch.uint8)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed, (exp.view(rows, cols // 32) + 127).to(torch.uint8)
+
+
+def mxfp4_dequantize(packed: Tensor, scales: Tensor) -> Tensor:
+    rows = packed.shape[0]
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(rows, -1).long()
+    vals = E2M1[codes & 7] * (1 - 2 * (codes >> 3)).float()
+    scale = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=1)
+    return (vals * scale).to(torch.bfloat16)
+
+
+# ------------------------------------------------------------ random weights
+def random_checkpoint(config: KimiK3Config, seed: int = 0, experts: str = "bf16") -> dict[str, Tensor]:
+    """Global tensors of a random checkpoint.
+
+    Projections keep unit activation variance (std = fan_in^-1/2); the projections
+    that end a residual branch (attention and MLP outputs) are scaled by 1/4, the
+    depth-scaled init of GPT-2, so that the random stack is not chaotic and bf16
+    rounding differences between layouts stay small (docs/testing.md)."""
+    if experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"experts must be 'bf16' or 'mxfp4', got {experts!r}")
+    gen = torch.Generator().manual_seed(seed)
+    bf16 = torch.bfloat16
+
+    def normal(*shape, std=1.0, dtype=bf16):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    def proj(out, inp, branch_end=False):
+        return normal(out, inp, std=inp**-0.5 * (0.25 if branch_end else 1.0))
+
+    def norm(n, dtype=bf16):
+        return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+
+    c = config
+    H, t = c.hidden_size, {}
+    t["model.embed_tokens.weight"] = normal(c.vocab_size, H)
+    t["lm_head.weight"] = proj(c.vocab_size, H)
+    t["model.norm.weight"] = norm(H)
+    t["model.output_attn_res_norm.weight"] = norm(H)
+    t["model.output_attn_res_proj.weight"] = normal(1, H, std=H**-0.5)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+            t[p + name + ".weight"] = norm(H)
+        for name in ("self_attention_res_proj", "mlp_res_proj"):
+            t[p + name + ".weight"] = normal(1, H, std=2 * H**-0.5)
+        a = p + "self_attn."
+        if c.layer_kind(i) == "kda":
+            heads, D = c.kda_heads, c.kda_head_dim
+            P = heads * D
+            for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+                t[a + name + ".weight"] = proj(P, H)
+            t[a + "f_a_proj.weight"] = proj(D, H)
+            t[a + "f_b_proj.weight"] = proj(P, D)
+            t[a + "b_proj.weight"] = proj(heads, H)
+            for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                t[a + name + ".weight"] = normal(P, 1, c.conv_size, std=0.5, dtype=torch.float32)
+            a_log = torch.zeros(max(heads, D))  # published padded to head_dim, real heads first
+            a_log[:heads] = torch.log(torch.rand(heads, generator=gen) * 15 + 1)
+            t[a + "A_log"] = a_log
+            t[a + "dt_bias"] = normal(P, std=0.5, dtype=torch.float32)
+            t[a + "o_norm.weight"] = norm(D, torch.float32)
+            t[a + "o_proj.weight"] = proj(H, P, True)
+        else:
+            N, v = c.num_attention_heads, c.v_head_dim
+            t[a + "q_a_proj.weight"] = proj(c.q_lora_rank, H)
+            t[a + "q_a_layernorm.weight"] = norm(c.q_lora_rank)
+            t[a + "q_b_proj.weight"] = proj(N * c.qk_head_dim, c.q_lora_rank)
+            t[a + "kv_a_proj_with_mqa.weight"] = proj(c.latent_row, H)
+            t[a + "kv_a_layernorm.weight"] = norm(c.kv_lora_rank)
+            t[a + "kv_b_proj.weight"] = proj(N * (c.qk_nope_head_dim + v), c.kv_lora_rank)
+            t[a + "g_proj.weight"] = proj(N * v, H)
+            t[a + "o_proj.weight"] = proj(H, N * v, True)
+            if c.layer_kind(i) == "dsa":
+                d = c.dsa_config
+                n_idx, d_idx = d["index_n_heads"], d["index_head_dim"]
+                t[a + "indexer.wq_b.weight"] = proj(n_idx * d_idx, c.q_lora_rank)
+                t[a + "indexer.wk.weight"] = proj(d_idx, H)
+                t[a + "indexer.weights_proj.weight"] = proj(n_idx, H)
+                t[a + "indexer.k_norm.weight"] = norm(d_idx, torch.float32)
+                t[a + "indexer.k_norm.bias"] = normal(d_idx, std=0.1, dtype=torch.float32)
+        if c.is_moe_layer(i):
+            m, E, L = p + "block_sparse_moe.", c.num_experts, c.routed_expert_hidden_size
+            I, S = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts
+            t[m + "gate.weight"] = proj(E, H)
+            t[m + "gate.e_score_correction_bias"] = normal(E, std=0.1, dtype=torch.float32)
+            t[m + "routed_expert_down_proj.weight"] = proj(L, H)
+            t[m + "routed_expert_norm.weight"] = norm(L)
+            t[m + "routed_expert_up_proj.weight"] = proj(H, L, True)
+            t[m + "shared_experts.gate_proj.weight"] = proj(S, H)
+            t[m + "shared_experts.up_proj.weight"] = proj(S, H)
+            t[m + "shared_experts.down_proj.weight"] = proj(H, S, True)
+            for e in range(E):
+                for name, w in (("w1", proj(I, L)), ("w3", proj(I, L)), ("w2", proj(L, I))):
+                    key = f"{m}experts.{e}.{name}."
+                    if experts == "mxfp4":
+                        t[key + "weight_packed"], t[key + "weight_scale"] = mxfp4_quantize(w)
+                    else:
+                        t[key + "weight"] = w
+        else:
+            t[p + "mlp.gate_proj.weight"] = proj(c.intermediate_size, H)
+            t[p + "mlp.up_proj.weight"] = proj(c.intermediate_size, H)
+            t[p + "mlp.down_proj.weight"] = proj(H, c.intermediate_size, True)
+    return t
+
+
+# --------------------------------------------------------------------- files
+def save_checkpoint(path: str | Path, config: KimiK3Config, tensors: Mapping[str, Tensor]) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2, sort_keys=True))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def _canonical(name: str) -> str:
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+        if name.startswith("layers."):
+            name = "model." + name
+    return name
+
+
+def load_checkpoint(path: str | Path) -> tuple[KimiK3Config, dict[str, Tensor]]:
+    """Read ``config.json`` and every ``*.safetensors`` file of a checkpoint folder."""
+    path = Path(path)
+    config = KimiK3Config.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {path}")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                tensors[_canonical(name)] = fh.get_tensor(name)
+    return config, tensors
+
+
+# ------------------------------------------------------------------- sharding
+def _rows(t: Tensor, par: Parallel) -> Tensor:
+    return t.chunk(par.size, dim=0)[par.rank] if par.size > 1 else t
+
+
+def _cols(t: Tensor, par: Parallel) -> Tensor:
+    return t.chunk(par.size, dim=1)[par.rank] if par.size > 1 else t
+
+
+def _pad_to(t: Tensor, size: int, dim: int) -> Tensor:
+    pad = size - t.shape[dim]
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def rank_state_dict(model: KimiLinearForCausalLM, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """One rank's parameters (names of ``model.named_parameters()``) from global tensors."""
+    c, par = model.config, model.par
+    missing: list[str] = []
+
+    def get(name: str) -> Tensor:
+        if name not in tensors:
+            missing.append(name)
+            return torch.zeros(0)
+        return tensors[name]
+
+    def expert(prefix: str) -> Tensor:
+        if prefix + "weight" in tensors:
+            return tensors[prefix + "weight"].to(torch.bfloat16)
+        return mxfp4_dequantize(get(prefix + "weight_packed"), get(prefix + "weight_scale"))
+
+    out: dict[str, Tensor] = {
+        "model.embed_tokens.weight": _rows(get("model.embed_tokens.weight"), par),
+        "lm_head.weight": _rows(get("lm_head.weight"), par),
+    }
+    for name in ("model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"):
+        out[name] = get(name)
+    for layer in model.model.layers:
+        i, p = layer.layer_idx, f"model.layers.{layer.layer_idx}."
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm",
+                     "self_attention_res_proj", "mlp_res_proj"):
+            out[p + name + ".weight"] = get(p + name + ".weight")
+        a = p + "self_attn."
+        attn = layer.self_attn
+        if layer.kind == "kda":
+            w = [_rows(get(a + n + ".weight"), par) for n in ("q_proj", "k_proj", "v_proj", "g_proj")]
+            w += [get(a + "f_a_proj.weight"), _rows(get(a + "b_proj.weight"), par)]
+            packed = torch.cat(w)
+            out[a + "in_proj_qkvgfab.weight"] = _pad_to(packed, packed.shape[0] + attn.in_proj_padding, 0)
+            out[a + "f_b_proj.weight"] = _rows(get(a + "f_b_proj.weight"), par)
+            conv = [_rows(get(a + n + ".weight").reshape(-1, 1, c.conv_size), par)
+                    for n in ("q_conv1d", "k_conv1d", "v_conv1d")]
+            out[a + "conv1d.weight"] = torch.cat(conv).float()
+            a_log = get(a + "A_log")
+            a_log = a_log.reshape(-1)[: c.kda_heads] if a_log.dim() != 4 else a_log.reshape(-1)
+            out[a + "A_log"] = _rows(a_log, par).float()
+            out[a + "dt_bias"] = _rows(get(a + "dt_bias").reshape(-1), par).float()
+            out[a + "o_norm.weight"] = get(a + "o_norm.weight").to(torch.bfloat16)
+        else:
+            out[a + "fused_qkv_a_g_proj.weight"] = torch.cat([
+                get(a + "q_a_proj.weight"), get(a + "kv_a_proj_with_mqa.weight"),
+                _rows(get(a + "g_proj.weight"), par)])
+            for name in ("q_a_layernorm", "kv_a_layernorm"):
+                out[a + name + ".weight"] = get(a + name + ".weight")
+            for name in ("q_b_proj", "kv_b_proj"):
+                out[a + name + ".weight"] = _rows(get(a + name + ".weight"), par)
+            if layer.kind == "dsa":
+                for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias"):
+                    out[a + "indexer." + name] = get(a + "indexer." + name)
+        out[a + "o_proj.weight"] = _cols(get(a + "o_proj.weight"), par)
+        if layer.is_moe_layer:
+            m = p + "block_sparse_moe."
+            for name in ("gate.weight", "gate.e_score_correction_bias", "routed_expert_down_proj.weight",
+                         "routed_expert_norm.weight", "routed_expert_up_proj.weight"):
+                out[m + name] = get(m + name)
+            _mlp(out, get, m + "shared_experts.", not par.sequence_parallel, par)
+            moe = layer.block_sparse_moe
+            local, _, width = moe.experts.w2_weight.shape
+            first = moe.experts.first_expert
+            w13, w2 = [], []
+            for e in range(first, first + local):
+                w1, w3, w2e = (expert(f"{m}experts.{e}.{n}.") for n in ("w1", "w3", "w2"))
+                if not par.sequence_parallel:
+                    w1, w3, w2e = _rows(w1, par), _rows(w3, par), _cols(w2e, par)
+                w13.append(torch.cat([_pad_to(w1, width, 0), _pad_to(w3, width, 0)]))
+                w2.append(_pad_to(w2e, width, 1))
+            out[m + "experts.w13_weight"] = torch.stack(w13)
+            out[m + "experts.w2_weight"] = torch.stack(w2)
+        else:
+            _mlp(out, get, p + "mlp.", not par.sequence_parallel, par)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return out
+
+
+def _mlp(out: dict, get: Callable[[str], Tensor], prefix: str, sharded: bool, par: Parallel) -> None:
+    shard = (lambda t: _rows(t, par)) if sharded else (lambda t: t)
+    out[prefix + "gate_up_proj.weight"] = torch.cat(
+        [shard(get(prefix + "gate_proj.weight")), shard(get(prefix + "up_proj.weight"))])
+    down = get(prefix + "down_proj.weight")
+    out[prefix + "down_proj.weight"] = _cols(down, par) if sharded else down
+
+
+def build_model(config: KimiK3Config, tensors: Mapping[str, Tensor], par: Parallel | None = None,
+                device: torch.device | str | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> KimiLinearForCausalLM:
+    """Construct one rank's stock decoder and load its shard of ``tensors``.
+
+    ``dtype`` is the activation dtype: bf16 as Kimi K3 is served, or fp32, which
+    turns every bf16 rounding point into the identity (used to check that layouts
+    and rewrites compute the same function; docs/testing.md)."""
+    model = KimiLinearForCausalLM(config, par, device="meta")
+    params = dict(model.named_parameters())
+    state = {k: v.to(device=device or "cpu", dtype=params[k].dtype)
+             for k, v in rank_state_dict(model, tensors).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(dtype) if dtype != torch.bfloat16 else model
