@@ -89,3 +89,8 @@ def _time_layers(model) -> dict[int, list[float]]:
         layer.register_forward_pre_hook(pre)
         layer.register_forward_hook(post)
     return times
+
+
+def decode_many(runs: list[DecodeRun]) -> list[dict[str, Any]]:
+    """``decode`` for each run in turn (one process group serves them all)."""
+    return [decode(run) for run in runs]

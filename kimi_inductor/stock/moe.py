@@ -125,16 +125,16 @@ def ep_experts(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, is_paddin
             f"(raise max_num_tokens or use a smaller batch)")
     group = dist.distributed_c10d._resolve_process_group(group_name)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def gather(t: Tensor) -> Tensor:
-        out = t.new_empty(size * t.shape[0], *t.shape[1:])
-        _all_gather_into(out, t.contiguous(), group=group)
-        return out
-
-    # dispatch: every rank sees every token; each runs the experts it owns
-    partial = combine_experts(gather(latent), gather(topk_weights), gather(topk_ids), w13, w2,
-                              first_expert, beta, linear_beta, routed=~gather(is_padding))
-    # combine: sum the experts' contributions on the token's own rank
+    # dispatch: every rank receives every token (latent, weights, ids, padding in one
+    # message) and runs the experts it owns
+    k = topk_ids.shape[1]
+    message = torch.cat([latent.float(), topk_weights.float(), topk_ids.float(), is_padding.float()[:, None]], 1)
+    gathered = message.new_empty(size * rows, message.shape[1])
+    _all_gather_into(gathered, message, group=group)
+    latent_all, weights_all, ids_all, pad_all = gathered.split([latent.shape[1], k, k, 1], dim=1)
+    partial = combine_experts(latent_all.to(latent.dtype), weights_all, ids_all.long(), w13, w2, first_expert,
+                              beta, linear_beta, routed=pad_all[:, 0] == 0)
+    # combine: sum every expert's weighted output on the token's own rank
     dist.all_reduce(partial, group=group)
     return partial[rank * rows : (rank + 1) * rows].to(latent.dtype)
 
