@@ -1,3 +1,14 @@
 """kimi-inductor: the ``kimi_specialized`` torch.compile backend for Kimi K3 decode."""
 
 __version__ = "0.1.0"
+
+
+def register() -> None:
+    """Register ``kimi_specialized`` with Dynamo when the package is used from a
+    source tree (an installed package resolves it through its entry point)."""
+    import torch._dynamo
+
+    from .backend import kimi_specialized
+
+    if "kimi_specialized" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(kimi_specialized, "kimi_specialized")

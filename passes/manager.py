@@ -1,0 +1,92 @@
+"""The pass manager: runs the enabled passes in pipeline order as one Inductor
+post-grad custom pass, times and logs each, dumps graphs, and fills the report.
+
+``KimiPasses`` is a ``CustomGraphPass``: its ``uuid()`` hashes the source of every
+module the rewrites depend on plus the options, so Inductor's FX graph cache never
+returns a graph compiled by other passes or settings (on a cache hit the passes do
+not run and the report says so).
+
+Logging: ``TORCH_LOGS=kimi_inductor`` prints the report of every compiled graph;
+``TORCH_LOGS=kimi_graphs`` also dumps each pass's graph before and after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+import kimi_inductor.stock
+from kimi_inductor.config import Options
+from kimi_inductor.logs import graph_log
+
+from . import collectives
+from .decoder import DecoderGraph
+from .hybrid_attention import HybridAttention
+from .report import LayerReport, MatchReport
+
+log = logging.getLogger("kimi_inductor.passes")
+
+PASSES = {"hybrid_attention": HybridAttention}  # pipeline order: kimi_inductor.config.PASS_ORDER
+
+
+class MatchError(ValueError):
+    """Strict mode: a layer of the decoder did not match (the report says why)."""
+
+
+class PassContext:
+    def __init__(self, gm: fx.GraphModule, options: Options, report: MatchReport):
+        self.gm, self.options, self.report = gm, options, report
+
+    def decoder(self) -> DecoderGraph:
+        return DecoderGraph.parse(self.gm.graph)
+
+    def mark(self, index: int, rewritten: bool, reason: str) -> None:
+        layer = self.report.layers[index]
+        layer.rewritten, layer.reason = rewritten, reason
+
+    def mark_all(self, rewritten: bool, reason: str) -> None:
+        for layer in self.report.layers:
+            layer.rewritten, layer.reason = rewritten, reason
+
+
+class KimiPasses(CustomGraphPass):
+    def __init__(self, options: Options, report: MatchReport):
+        self.options, self.report = options, report
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        report, options = self.report, self.options
+        report.collectives_before = collectives.count(graph)
+        dg = DecoderGraph.parse(graph)
+        report.decoder, report.layout = dg.is_decoder, dg.layout
+        report.rows, report.group_size = dg.rows, dg.group_size
+        report.reason = "; ".join(dg.problems)
+        report.layers = [LayerReport(l.index, l.kind, l.mlp) for l in dg.layers]
+        ctx = PassContext(gm, options, report)
+        dump = graph_log.isEnabledFor(logging.DEBUG)
+        for name in options.passes:
+            if dump:
+                graph_log.debug("kimi_inductor graph %d before %s:\n%s", report.graph, name, _readable(gm))
+            start = time.perf_counter()
+            info = PASSES[name]()(gm, ctx)
+            info.seconds = time.perf_counter() - start
+            report.passes.append(info)
+            if dump:
+                graph_log.debug("kimi_inductor graph %d after %s:\n%s", report.graph, name, _readable(gm))
+        report.collectives_after = collectives.count(graph)
+        log.info("kimi_specialized match report\n%s", report.format())
+        if options.strict and dg.layers and not all(l.rewritten for l in report.layers):
+            raise MatchError(f"kimi_specialized (strict): not every layer was rewritten\n{report.format()}")
+
+    def uuid(self) -> bytes:
+        folders = (Path(__file__).parent, Path(kimi_inductor.stock.__file__).parent)
+        files = [f for folder in folders for f in sorted(folder.glob("*.py"))]
+        return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json())
+
+
+def _readable(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)

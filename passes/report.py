@@ -1,0 +1,67 @@
+"""The match report: what each pass did to each layer, and why.
+
+Every pass returns a ``PassInfo`` (its matches, rewrites and reasons) and annotates
+``LayerReport`` rows; the backend keeps one ``MatchReport`` per compiled graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LayerReport:
+    index: int
+    kind: str  # kda | mla | dsa
+    mlp: str  # moe | dense
+    rewritten: bool = False
+    reason: str = ""
+    notes: dict[str, str] = field(default_factory=dict)  # per-pass details, e.g. the MoE implementation
+
+
+@dataclass
+class PassInfo:
+    name: str
+    matched: int = 0
+    rewritten: int = 0
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class MatchReport:
+    graph: int = 0
+    decoder: bool = False
+    layout: str = "none"
+    rows: Any = None
+    group_size: int | None = None
+    reason: str = ""
+    layers: list[LayerReport] = field(default_factory=list)
+    passes: list[PassInfo] = field(default_factory=list)
+    collectives_before: dict[str, int] = field(default_factory=dict)
+    collectives_after: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["rows"] = self.rows if isinstance(self.rows, int) else str(self.rows)
+        return out
+
+    def format(self) -> str:
+        lines = [f"graph {self.graph}: {'Kimi K3 decoder' if self.decoder else 'not rewritten'}"
+                 f" layout={self.layout} rows={self.rows} G={self.group_size}"
+                 + (f" ({self.reason})" if self.reason else "")]
+        if self.layers:
+            lines.append(f"  {'layer':>5} {'attn':<4} {'mlp':<5} {'rewritten':<9} reason")
+            for l in self.layers:
+                notes = "".join(f"; {k}: {v}" for k, v in l.notes.items())
+                lines.append(f"  {l.index:>5} {l.kind:<4} {l.mlp:<5} {'yes' if l.rewritten else 'no':<9} "
+                             f"{l.reason}{notes}")
+        for p in self.passes:
+            lines.append(f"  pass {p.name}: matched {p.matched}, rewrote {p.rewritten}"
+                         + (f", skipped: {'; '.join(p.skipped)}" if p.skipped else "")
+                         + f" ({p.seconds * 1e3:.1f} ms)")
+        if self.collectives_before:
+            lines.append(f"  collectives before {self.collectives_before} after {self.collectives_after}")
+        return "\n".join(lines)
