@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from .config import Options
-from .passes.manager import KimiPasses
+from .passes.manager import KimiPasses, Observer
 from .passes.report import MatchReport
 
 
@@ -30,8 +30,9 @@ class KimiSpecialized:
 
     _shared: dict[str, "KimiSpecialized"] = {}
 
-    def __init__(self, options: Options | Mapping[str, Any] | None = None):
+    def __init__(self, options: Options | Mapping[str, Any] | None = None, observer: Observer | None = None):
         self.options = Options.from_mapping(options)
+        self.observer = observer  # called with ("before/after <pass>", graph) for every pass
         self.reports: list[MatchReport] = []
 
     @classmethod
@@ -44,11 +45,16 @@ class KimiSpecialized:
         from torch._inductor.compile_fx import compile_fx
 
         report = MatchReport(graph=len(self.reports))
-        self.reports.append(report)
-        patches = {"post_grad_custom_post_pass": KimiPasses(self.options, report)}
+        patches = {"post_grad_custom_post_pass": KimiPasses(self.options, report, self.observer)}
         if self.options.compiler == "eager":
-            return compile_fx(gm, example_inputs, inner_compile=_eager_inner, config_patches=patches)
-        return compile_fx(gm, example_inputs, config_patches=patches)
+            compiled = compile_fx(gm, example_inputs, inner_compile=_eager_inner, config_patches=patches)
+        else:
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        if not report.passes:
+            report.reason = ("Inductor's FX graph cache returned this graph: the passes did not run again "
+                             "(the cache key covers their source and options)")
+        self.reports.append(report)  # only graphs that compiled (Dynamo may restart a compile)
+        return compiled
 
     @property
     def report(self) -> MatchReport | None:
@@ -72,15 +78,16 @@ def kimi_specialized(gm: fx.GraphModule, example_inputs: list, options: Mapping[
 
 
 def match_report(compiled: torch.nn.Module | Callable) -> MatchReport | None:
-    """The latest match report of a model compiled with ``kimi_specialized``."""
-    backend = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
-    backend = getattr(backend, "_torchdynamo_orig_backend", backend)
-    if isinstance(backend, KimiSpecialized):
-        return backend.report
-    compiler_fn = getattr(backend, "compiler_fn", None)
-    if isinstance(compiler_fn, KimiSpecialized):
-        return compiler_fn.report
-    if compiler_fn is kimi_specialized or backend is kimi_specialized:
-        options = getattr(backend, "kwargs", {}).get("options")
-        return KimiSpecialized.for_options(options).report
+    """The latest match report of a model compiled with ``kimi_specialized`` (by
+    name or as a ``KimiSpecialized`` object); None for other backends."""
+    obj, options = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None), None
+    for _ in range(16):  # Dynamo's wrappers: CatchErrors -> ConvertFrame -> debug -> compile wrapper
+        if isinstance(obj, KimiSpecialized):
+            return obj.report
+        if obj is kimi_specialized:
+            return KimiSpecialized.for_options(options).report
+        if isinstance(getattr(obj, "kwargs", None), dict):
+            options = obj.kwargs.get("options", options)
+        obj = next((getattr(obj, a) for a in ("_torchdynamo_orig_backend", "compiler_fn", "_inner_convert")
+                    if getattr(obj, a, obj) is not obj), None)
     return None

@@ -60,6 +60,10 @@ def decode(run: DecodeRun) -> dict[str, Any]:
             batch.accept()
     result = {"outputs": torch.stack(outputs), "seconds": seconds, "rows": batch.rows,
               "layers": describe(model)}
+    if run.backend == "kimi_specialized":
+        from .backend import match_report
+
+        result["report"] = match_report(step_fn).to_dict()
     if timings is not None:
         result["layer_seconds"] = timings
     return result

@@ -100,8 +100,9 @@ def _match(kind: str, patterns, node: fx.Node) -> Collective | None:
         m = pattern.match(node)
         if isinstance(m, Match):
             bindings = dict(m.kwargs)
-            if kind == "sp_gather" and "rows" not in bindings:
-                bindings["rows"] = node.meta["val"].shape[0]
+            if kind == "sp_gather" and "rows" not in bindings:  # unsliced: all G c rows
+                val = node.meta.get("val")
+                bindings["rows"] = None if val is None else val.shape[0]
             return Collective(kind, spelling, node, _chain_nodes(node, m.kwargs.values()), bindings)
     return None
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from .collectives import Collective, emit_all_reduce, emit_sp_gather
 from .decoder import DecoderGraph, Entry
@@ -61,9 +62,15 @@ class HybridAttention:
             ctx.mark_all(rewritten=False, reason=reason)
             return info
         info.matched = len(dg.layers)
-        dense_on_all_rows = self._dense_fits(gm)
-        _rewrite(gm, DecoderGraph.parse(gm.graph), dense_on_all_rows)
-        refresh_meta(gm)
+        _rewrite(gm, dg)
+        dense_on_all_rows = _dense_fits(gm)
+        if not dense_on_all_rows:  # put the dense MLPs back on the shard, as the MoEs are
+            moved = DecoderGraph.parse(gm.graph)
+            for layer in moved.layers:
+                if layer.moe is None:
+                    _on_shard(gm.graph, layer, dg.entry, dg.rows, dg.layers[0].gather)
+            gm.recompile()
+            refresh_meta(gm)
         info.rewritten = len(dg.layers)
         for layer in dg.layers:
             if layer.moe is not None:
@@ -103,21 +110,19 @@ class HybridAttention:
             return f"batch rows {dg.rows} not in decode.capture_sizes {list(decode.capture_sizes)}"
         return ""
 
-    @staticmethod
-    def _dense_fits(gm: fx.GraphModule) -> bool:
-        """Dry run on a copy: can the dense MLPs run on all T rows?"""
-        trial = _copy(gm)
-        dg = DecoderGraph.parse(trial.graph)
-        _rewrite(trial, dg, dense_on_all_rows=True)
-        try:
-            refresh_meta(trial)
-        except Exception:  # a row-count-specific op in a dense MLP
-            return False
-        rows = dg.rows
-        return all(_rows(l.mlp_out) == rows for l in dg.layers if l.moe is None)
+
+def _dense_fits(gm: fx.GraphModule) -> bool:
+    """Refresh the fake values; do the dense MLPs (now fed T rows) produce T rows?"""
+    try:
+        refresh_meta(gm)
+    except Exception:  # a row-count-specific op (e.g. a hard-coded view) in a dense MLP
+        return False
+    dg = DecoderGraph.parse(gm.graph)
+    rows = _rows(dg.layers[0].pre.output(0))
+    return all(statically_known_true(sym_eq(_rows(l.mlp_out), rows)) for l in dg.layers if l.moe is None)
 
 
-def _rewrite(gm: fx.GraphModule, dg: DecoderGraph, dense_on_all_rows: bool) -> None:
+def _rewrite(gm: fx.GraphModule, dg: DecoderGraph) -> None:
     g, entry, rows = gm.graph, dg.entry, dg.rows
     first = dg.layers[0].pre
     first.set_arg("prefix", entry.embedding, drop_view=entry.slice_node is None)
@@ -129,7 +134,7 @@ def _rewrite(gm: fx.GraphModule, dg: DecoderGraph, dense_on_all_rows: bool) -> N
         reduced = emit_all_reduce(g, layer.scatter.out, layer.scatter.input, layer.scatter)
         layer.scatter.out.replace_all_uses_with(reduced)
         dead += layer.gather.nodes + layer.scatter.nodes
-        if layer.moe is not None or not dense_on_all_rows:
+        if layer.moe is not None:
             _on_shard(g, layer, entry, rows, dg.layers[0].gather)
     dg.exit_gather.out.replace_all_uses_with(dg.final.output(0))
     dead += dg.exit_gather.nodes
@@ -177,13 +182,6 @@ def _erase_unused(g: fx.Graph, nodes: list[fx.Node]) -> None:
                 pending += [i for i in inputs if i.op == "call_function" and not i.users and i not in pending
                             and i.target in (aten.constant_pad_nd.default, aten.slice.Tensor)]
                 changed = True
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return fx.GraphModule(gm, graph)
 
 
 def _rows(node: fx.Node) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -53,9 +54,18 @@ class PassContext:
             layer.rewritten, layer.reason = rewritten, reason
 
 
+Observer = Callable[[str, fx.GraphModule], None]  # (stage, graph), stage "before <pass>" / "after <pass>"
+
+
 class KimiPasses(CustomGraphPass):
-    def __init__(self, options: Options, report: MatchReport):
-        self.options, self.report = options, report
+    def __init__(self, options: Options, report: MatchReport, observer: Observer | None = None):
+        self.options, self.report, self.observer = options, report, observer
+
+    def _observe(self, stage: str, gm: fx.GraphModule) -> None:
+        if self.observer is not None:
+            self.observer(stage, gm)
+        if graph_log.isEnabledFor(logging.DEBUG):
+            graph_log.debug("kimi_inductor graph %d %s:\n%s", self.report.graph, stage, _readable(gm))
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
@@ -67,16 +77,13 @@ class KimiPasses(CustomGraphPass):
         report.reason = "; ".join(dg.problems)
         report.layers = [LayerReport(l.index, l.kind, l.mlp) for l in dg.layers]
         ctx = PassContext(gm, options, report)
-        dump = graph_log.isEnabledFor(logging.DEBUG)
         for name in options.passes:
-            if dump:
-                graph_log.debug("kimi_inductor graph %d before %s:\n%s", report.graph, name, _readable(gm))
+            self._observe(f"before {name}", gm)
             start = time.perf_counter()
             info = PASSES[name]()(gm, ctx)
             info.seconds = time.perf_counter() - start
             report.passes.append(info)
-            if dump:
-                graph_log.debug("kimi_inductor graph %d after %s:\n%s", report.graph, name, _readable(gm))
+            self._observe(f"after {name}", gm)
         report.collectives_after = collectives.count(graph)
         log.info("kimi_specialized match report\n%s", report.format())
         if options.strict and dg.layers and not all(l.rewritten for l in report.layers):

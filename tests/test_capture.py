@@ -5,19 +5,10 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kimi_inductor.stock import KimiK3Config, Parallel
 from kimi_inductor.stock.batch import DecodeBatch
 from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def layer_of(node):
@@ -31,7 +22,7 @@ def layer_of(node):
 @pytest.mark.parametrize("preset, core", [("tiny", "kimi.mla_decode"), ("tiny-k3.1", "kimi.dsa_decode")])
 def test_sp_step_is_one_graph_with_per_layer_collectives(fake_world, preset, core):
     config = KimiK3Config.preset(preset)
-    model = build_model(config, random_checkpoint(config), Parallel("sp", fake_world))
+    model = build_model(config, random_checkpoint(config), Parallel("sp", fake_world(4)))
     batch = DecodeBatch(3, q=4, padding=1, vocab=config.vocab_size)
     caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q)
     graphs = []

@@ -1,0 +1,110 @@
+"""The kimi_specialized backend: registration, options, pass-through, reports, strictness."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import compile_tiny
+
+import kimi_inductor
+from kimi_inductor.backend import KimiSpecialized, match_report
+from kimi_inductor.config import DecodeSettings, Options
+from kimi_inductor.passes.manager import KimiPasses, MatchError
+from kimi_inductor.passes.report import MatchReport
+
+
+def run_fresh(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+
+
+def test_entry_point_works_in_a_fresh_process_without_importing_us():
+    proc = run_fresh("""
+        import torch
+        assert "kimi_specialized" in torch._dynamo.list_backends(exclude_tags=())
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        x = torch.randn(2, 4)
+        compiled = torch.compile(m, backend="kimi_specialized", options={"compiler": "eager"})
+        assert torch.allclose(compiled(x), m(x))
+        from kimi_inductor.backend import match_report
+        assert match_report(compiled).reason.startswith("not a Kimi K3 decoder graph")
+        print("ok")
+    """)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_register_is_idempotent():
+    kimi_inductor.register()
+    kimi_inductor.register()
+    assert "kimi_specialized" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_a_model_that_is_not_kimi_passes_through_unchanged():
+    torch._dynamo.reset()
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    x = torch.randn(5, 8)
+    backend = KimiSpecialized({"compiler": "eager"})
+    compiled = torch.compile(m, backend=backend)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-6, atol=1e-6)
+    report = match_report(compiled)
+    assert report is backend.report and not report.decoder and report.layers == []
+    assert "not a Kimi K3 decoder graph" in report.reason
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"pases": []}, "unknown kimi_specialized options"),
+    ({"passes": ["fuse_everything"]}, "unknown pass"),
+    ({"compiler": "tvm"}, "compiler must be one of"),
+    ({"decode": {"q": 9}}, r"decode.q \(1 \+ speculative tokens\) must be in 1..8"),
+    ({"decode": {"tp": 3}}, "decode.tp must be one of"),
+    ({"decode": {"tp": 4, "dcp": 2}}, "decode.dcp must be 1 or equal to decode.tp"),
+    ({"decode": {"batch": 2}}, "unknown decode settings"),
+])
+def test_bad_options_name_the_problem(options, message):
+    with pytest.raises(ValueError, match=message):
+        Options.from_mapping(options)
+
+
+def test_pass_uuid_covers_options():
+    a = KimiPasses(Options.from_mapping({}), MatchReport())
+    b = KimiPasses(Options.from_mapping({"decode": {"tp": 2}}), MatchReport())
+    assert a.uuid() == KimiPasses(Options(), MatchReport()).uuid() and a.uuid() != b.uuid()
+    assert Options.from_mapping({"decode": {"capture_sizes": [8]}}).decode == DecodeSettings(capture_sizes=(8,))
+
+
+def test_tp_layout_is_left_stock_and_reported(fake_world):
+    backend, _ = compile_tiny(layout="tp", group=fake_world(2))
+    report = backend.report
+    assert report.decoder and report.layout == "tp"
+    assert not any(l.rewritten for l in report.layers)
+    assert all("TP layout" in l.reason for l in report.layers)
+    assert report.collectives_after == report.collectives_before
+
+
+def test_strict_mode_raises_on_a_layer_it_cannot_rewrite(fake_world):
+    with pytest.raises(Exception, match="strict") as err:
+        compile_tiny(layout="tp", group=fake_world(2), options={"strict": True})
+    assert isinstance(err.value, MatchError) or "MatchError" in str(err.value)
+
+
+def test_capture_sizes_limit_the_rewrite(fake_world):
+    backend, _ = compile_tiny(group=fake_world(2), options={"decode": {"capture_sizes": [8]}})
+    assert not any(l.rewritten for l in backend.report.layers)
+    assert "not in decode.capture_sizes [8]" in backend.report.layers[0].reason
+
+
+def test_torch_logs_prints_the_report():
+    proc = run_fresh("""
+        import torch, torch.distributed as dist, sys
+        sys.path.insert(0, "tests")
+        from conftest import compile_tiny
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        compile_tiny(group=dist.group.WORLD, q=1, requests=2, padding=0)
+    """, TORCH_LOGS="kimi_inductor")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kimi_specialized match report" in proc.stderr and "all-gather + reduce-scatter -> one all-reduce" in proc.stderr
