@@ -15,6 +15,9 @@ that holds no Kimi K3 decoder passes through the same compiler unchanged.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -45,20 +48,53 @@ class KimiSpecialized:
         from torch._inductor.compile_fx import compile_fx
 
         report = MatchReport(graph=len(self.reports))
-        patches = {"post_grad_custom_post_pass": KimiPasses(self.options, report, self.observer)}
+        passes = KimiPasses(self.options, report, self.observer)
+        key = _report_key(gm, example_inputs, passes)
+        patches = {"post_grad_custom_post_pass": passes}
         if self.options.compiler == "eager":
             compiled = compile_fx(gm, example_inputs, inner_compile=_eager_inner, config_patches=patches)
         else:
             compiled = compile_fx(gm, example_inputs, config_patches=patches)
-        if not report.passes:
-            report.reason = ("Inductor's FX graph cache returned this graph: the passes did not run again "
-                             "(the cache key covers their source and options)")
+        if report.passes:
+            _store_report(key, report)
+        else:  # Inductor's FX graph cache returned the graph: the passes did not run
+            report = _load_report(key, report.graph)
         self.reports.append(report)  # only graphs that compiled (Dynamo may restart a compile)
         return compiled
 
     @property
     def report(self) -> MatchReport | None:
         return self.reports[-1] if self.reports else None
+
+
+def _report_path(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "kimi_reports" / f"{key}.json"
+
+
+def _report_key(gm: fx.GraphModule, example_inputs: list, passes: KimiPasses) -> str:
+    """The report's identity: the Dynamo graph, its input types, our passes' uuid."""
+    shapes = [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else str(x) for x in example_inputs]
+    text = f"{gm.code}\n{shapes}".encode() + passes.uuid()
+    return hashlib.sha256(text).hexdigest()[:32]
+
+
+def _store_report(key: str, report: MatchReport) -> None:
+    path = _report_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_dict()))
+
+
+def _load_report(key: str, graph: int) -> MatchReport:
+    """The report stored when this graph was compiled (Inductor's cache hit skips the passes)."""
+    path = _report_path(key)
+    if not path.exists():
+        return MatchReport(graph=graph, reason="Inductor's FX graph cache returned this graph and no report was "
+                                               "stored for it (the passes did not run)")
+    report = MatchReport.from_dict(json.loads(path.read_text()))
+    report.graph = graph
+    return report
 
 
 def _eager_inner(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:

@@ -106,6 +106,16 @@ class DecoderGraph:
         return self.layers[0].gather.bindings["rows"] if self.layers and self.layers[0].gather else None
 
     @property
+    def q(self) -> int | None:
+        """Tokens per request, from the KDA state slots [R, q] (None without KDA layers)."""
+        for l in self.layers:
+            if l.kind == "kda":
+                slots = l.core.arg("state_slots")
+                val = slots.meta.get("val") if isinstance(slots, fx.Node) else None
+                return None if val is None else val.shape[1]
+        return None
+
+    @property
     def group_size(self) -> int | None:
         for l in self.layers:
             for c in (l.gather, l.scatter, l.reduce):

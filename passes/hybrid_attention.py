@@ -106,6 +106,8 @@ class HybridAttention:
         decode = options.decode
         if decode.tp is not None and dg.group_size != decode.tp:
             return f"graph has TP size {dg.group_size}, options say decode.tp={decode.tp}"
+        if decode.q is not None and dg.q is not None and dg.q != decode.q:
+            return f"graph verifies q={dg.q} tokens per request, options say decode.q={decode.q}"
         if decode.capture_sizes and dg.rows not in decode.capture_sizes:
             return f"batch rows {dg.rows} not in decode.capture_sizes {list(decode.capture_sizes)}"
         return ""

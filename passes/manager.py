@@ -73,7 +73,8 @@ class KimiPasses(CustomGraphPass):
         report.collectives_before = collectives.count(graph)
         dg = DecoderGraph.parse(graph)
         report.decoder, report.layout = dg.is_decoder, dg.layout
-        report.rows, report.group_size = dg.rows, dg.group_size
+        report.rows = dg.rows if isinstance(dg.rows, int) or dg.rows is None else str(dg.rows)
+        report.group_size = dg.group_size
         report.reason = "; ".join(dg.problems)
         report.layers = [LayerReport(l.index, l.kind, l.mlp) for l in dg.layers]
         ctx = PassContext(gm, options, report)

@@ -35,7 +35,7 @@ class MatchReport:
     graph: int = 0
     decoder: bool = False
     layout: str = "none"
-    rows: Any = None
+    rows: int | str | None = None  # T, or its symbol's name for a symbolic batch
     group_size: int | None = None
     reason: str = ""
     layers: list[LayerReport] = field(default_factory=list)
@@ -44,9 +44,14 @@ class MatchReport:
     collectives_after: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["rows"] = self.rows if isinstance(self.rows, int) else str(self.rows)
-        return out
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MatchReport":
+        d = dict(d)
+        d["layers"] = [LayerReport(**l) for l in d.get("layers", [])]
+        d["passes"] = [PassInfo(**p) for p in d.get("passes", [])]
+        return cls(**d)
 
     def format(self) -> str:
         lines = [f"graph {self.graph}: {'Kimi K3 decoder' if self.decoder else 'not rewritten'}"

@@ -91,10 +91,15 @@ def test_strict_mode_raises_on_a_layer_it_cannot_rewrite(fake_world):
     assert isinstance(err.value, MatchError) or "MatchError" in str(err.value)
 
 
-def test_capture_sizes_limit_the_rewrite(fake_world):
-    backend, _ = compile_tiny(group=fake_world(2), options={"decode": {"capture_sizes": [8]}})
+@pytest.mark.parametrize("decode, reason", [
+    ({"capture_sizes": [8]}, "batch rows 16 not in decode.capture_sizes [8]"),
+    ({"q": 2}, "graph verifies q=4 tokens per request, options say decode.q=2"),
+    ({"tp": 4}, "graph has TP size 2, options say decode.tp=4"),
+])
+def test_decode_settings_limit_the_rewrite(fake_world, decode, reason):
+    backend, _ = compile_tiny(group=fake_world(2), options={"decode": decode})
     assert not any(l.rewritten for l in backend.report.layers)
-    assert "not in decode.capture_sizes [8]" in backend.report.layers[0].reason
+    assert backend.report.layers[0].reason == reason
 
 
 def test_torch_logs_prints_the_report():
@@ -108,3 +113,17 @@ def test_torch_logs_prints_the_report():
     """, TORCH_LOGS="kimi_inductor")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kimi_specialized match report" in proc.stderr and "all-gather + reduce-scatter -> one all-reduce" in proc.stderr
+
+
+def test_report_survives_an_inductor_cache_hit():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(4, 8)
+    reports = []
+    for _ in range(2):  # the second compile is served by Inductor's FX graph cache
+        torch._dynamo.reset()
+        backend = KimiSpecialized({"compiler": "inductor"})
+        with torch.no_grad():
+            torch.compile(m, backend=backend)(x)
+        reports.append(backend.report)
+    assert reports[0].to_dict() == reports[1].to_dict()
+    assert reports[1].reason.startswith("not a Kimi K3 decoder graph")

@@ -47,8 +47,8 @@ def compiled():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-k3.1"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("preset, world", [("tiny", 2), ("tiny", 4), ("tiny-k3.1", 2), ("tiny-k3.1", 4),
+                                           ("tiny", 8)])
 def test_one_all_reduce_per_attention_one_all_gather_per_moe(compiled, preset, world):
     report, _ = compiled(preset, world)
     config = KimiK3Config.preset(preset)

@@ -1,0 +1,67 @@
+"""Compile (never run) one decode step of a preset and report what kimi_specialized does.
+
+The model lives on the meta device and the process group is a fake one of G ranks,
+so any preset explains on a laptop, the full 93-layer ``kimi-k3`` included: Dynamo
+captures the step, AOTAutograd functionalizes it, our passes rewrite it, and the
+result is not executed. Inductor's own post-grad passes are skipped (they do not
+run on the meta device), so the graph is the AOT graph our passes would see before
+Inductor's no-op removal; the match and the report are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.compile_fx import compile_fx
+
+from .config import Options
+from .passes.manager import KimiPasses
+from .passes.report import MatchReport
+from .passes.snapshot import region_text
+from .stock import KimiK3Config, KimiLinearForCausalLM, Parallel
+from .stock.batch import DecodeBatch
+
+
+def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1, requests: int = 8,
+            rank: int = 0, layer: int | None = None, part: str = "attention",
+            options: dict[str, Any] | None = None) -> tuple[MatchReport, str, str]:
+    """(report, region before, region after) for ``layer``'s ``part`` (empty without ``layer``)."""
+    if dist.is_initialized():
+        raise RuntimeError("explain uses its own fake process group; call it outside a distributed job")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+    try:
+        config = KimiK3Config.preset(preset)
+        model = KimiLinearForCausalLM(config, Parallel(layout, dist.group.WORLD if ranks > 1 else None),
+                                      device="meta")
+        batch = DecodeBatch(requests, q, 0, config.vocab_size, max_context=64)
+        caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, q, device="meta")
+        regions: dict[str, str] = {}
+
+        def observe(stage: str, gm) -> None:
+            if layer is not None and stage.endswith("hybrid_attention"):
+                regions[stage.split()[0]] = region_text(gm, layer, part)
+
+        report = MatchReport()
+        passes = KimiPasses(Options.from_mapping(options), report, observe)
+
+        def run_passes(gm, example_inputs, **kwargs):
+            passes(gm.graph)
+            return make_boxed_func(lambda *args: None)
+
+        def compile_only(gm, example_inputs, **kwargs):
+            compile_fx(gm, example_inputs, inner_compile=run_passes)
+            outs = [a.meta["example_value"] for a in gm.graph.output_node().args[0]]
+            return lambda *args: tuple(torch.empty_like(o) for o in outs)
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=compile_only, fullgraph=True, dynamic=False)(batch.step().to("meta"), caches)
+        return report, regions.get("before", ""), regions.get("after", "")
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -1,0 +1,32 @@
+"""The main job (``demo``) and ``explain`` as a user runs them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kimi_inductor.explain import explain
+
+
+@pytest.mark.slow
+def test_demo_main_job_writes_its_json(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "kimi_inductor", "demo", "--ranks", "2", "--q", "4",
+                           "--steps", "3", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "AGREE" in proc.stdout and "kimi_specialized {'all_reduce': 10" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["agree"] is True and result["max_abs_diff"] == 0.0 and result["tolerance"] == 0.0
+    assert result["collectives_stock"] == {"all_reduce": 1, "all_gather": 10, "reduce_scatter": 9}
+    assert result["collectives_compiled"] == {"all_reduce": 10, "all_gather": 8, "reduce_scatter": 0}
+    assert [l["kind"] for l in result["layers"]] == ["kda", "kda", "kda", "mla", "kda", "kda", "kda", "mla", "mla"]
+    assert all(l["rewritten"] and l["reason"] for l in result["layers"])
+
+
+def test_explain_compiles_without_running():
+    report, before, after = explain("tiny-k3.1", "sp", ranks=4, q=2, requests=4, layer=3, part="attention")
+    assert report.layout == "sp" and all(l.rewritten for l in report.layers)
+    assert [l.kind for l in report.layers][3] == "dsa"
+    assert "c10d.reduce_scatter_tensor" in before and "c10d.all_reduce" in after
+    assert "kimi.dsa_decode" in after and "reduce_scatter" not in after
