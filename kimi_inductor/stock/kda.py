@@ -20,6 +20,8 @@ conv + recurrence + norm). Per request r with tokens t = 0..q-1, per head:
   5. out = RMSNorm(bf16(o)) * o_norm * sigmoid(g2) (eps 1e-5, fp32, stored bf16).
 A request whose first slot is <= 0 is padding: zero output, no state update
 (vLLM zeroes only the first token of a padded verify request; the rest is unused).
+The reference masks padding rather than skipping it, so Inductor can trace it and
+CUDA graphs can capture it.
 """
 
 from __future__ import annotations
@@ -57,53 +59,54 @@ def kda_decode(
     lower_bound: float,
     norm_eps: float,
 ) -> Tensor:
+    # Written without data-dependent shapes (padding is masked, not skipped) so that
+    # Inductor can trace it and CUDA graphs can capture it (the stock baseline).
     R, q = state_slots.shape
     T, P = g2.shape
     H, V, K = recurrent_state.shape[1:]
-    out = g2.new_zeros(T, P)
-    live = (state_slots[:, 0] > 0).nonzero().squeeze(1)
-    if live.numel() == 0:
-        return out
-    slots = state_slots[live].long()  # [r, q]
-    start = num_accepted[live].long() - 1  # [r]
-    x = mixed_qkv.view(R, q, -1)[live]  # [r, q, 3P]
+    slots = state_slots.long().clamp(min=0)  # [R, q]; slot 0 is the null slot
+    live = state_slots[:, 0] > 0  # [R]
+    start = (num_accepted.long() - 1).clamp(min=0)  # [R]
+    x = mixed_qkv.view(R, q, -1)  # [R, q, 3P]
 
     # 1. short convolution over [3 saved inputs | q new inputs]
     width = conv_weight.shape[-1]
-    saved = conv_state[slots[:, 0]]  # [r, width-1+q-1, 3P]
+    saved = conv_state[slots[:, 0]]  # [R, width-1+q-1, 3P]
     offsets = start[:, None] + torch.arange(width - 1, device=x.device)
     window = saved.gather(1, offsets[..., None].expand(-1, -1, saved.shape[-1]))
-    full = torch.cat([window, x], dim=1).float()  # [r, width-1+q, 3P]
+    full = torch.cat([window, x], dim=1).float()  # [R, width-1+q, 3P]
     w = conv_weight.view(-1, width).float()  # [3P, width]
     y = torch.stack([(full[:, t : t + width] * w.t()).sum(1) for t in range(q)], dim=1)
     y = F.silu(y).to(mixed_qkv.dtype)
-    conv_state[slots[:, 0]] = torch.cat([window[:, 1:], x], dim=1).to(conv_state.dtype)
+    new_conv = torch.cat([window[:, 1:], x], dim=1).to(conv_state.dtype)
+    conv_state[slots[:, 0]] = torch.where(live[:, None, None], new_conv, saved)
 
     # 2-3. normalised q/k, gates
-    qf, kf, vf = y.float().view(len(live), q, 3, H, K).unbind(2)
+    qf, kf, vf = y.float().view(R, q, 3, H, K).unbind(2)
     qf = qf / torch.sqrt(qf.pow(2).sum(-1, keepdim=True) + 1e-6) * K**-0.5
     kf = kf / torch.sqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)
-    g1f = g1.view(R, q, H, K)[live].float() + dt_bias.float().view(H, K)
+    g1f = g1.view(R, q, H, K).float() + dt_bias.float().view(H, K)
     gate = lower_bound * torch.sigmoid(torch.exp(A_log.float()).view(H, 1) * g1f)
-    b = torch.sigmoid(beta.view(R, q, H)[live].float())
+    b = torch.sigmoid(beta.view(R, q, H).float())
 
-    # 4. delta rule, one token at a time
-    state = recurrent_state[slots.gather(1, start[:, None]).squeeze(1)].float()  # [r, H, V, K]
-    o = state.new_empty(len(live), q, H, V)
+    # 4. delta rule, one token at a time; token t's state goes to slot t
+    state = recurrent_state[slots.gather(1, start[:, None]).squeeze(1)].float()  # [R, H, V, K]
+    outs = []
     for t in range(q):
         state = state * torch.exp(gate[:, t]).unsqueeze(2)
         u = (vf[:, t] - (state @ kf[:, t].unsqueeze(-1)).squeeze(-1)) * b[:, t].unsqueeze(-1)
         state = state + u.unsqueeze(-1) * kf[:, t].unsqueeze(2)
-        o[:, t] = (state @ qf[:, t].unsqueeze(-1)).squeeze(-1)
-        keep = slots[:, t] > 0
-        recurrent_state[slots[keep, t]] = state[keep].to(recurrent_state.dtype)
+        outs.append((state @ qf[:, t].unsqueeze(-1)).squeeze(-1))
+        keep = (live & (state_slots[:, t] > 0))[:, None, None, None]
+        recurrent_state[slots[:, t]] = torch.where(keep, state.to(recurrent_state.dtype), recurrent_state[slots[:, t]])
+    o = torch.stack(outs, dim=1)  # [R, q, H, V]
 
-    # 5. gated RMSNorm
+    # 5. gated RMSNorm; padding requests output zeros
     of = o.to(g2.dtype).float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps)
-    of = of * norm_weight.float() * torch.sigmoid(g2.view(R, q, H, V)[live].float())
-    out.view(R, q, P)[live] = of.reshape(len(live), q, P).to(out.dtype)
-    return out
+    of = of * norm_weight.float() * torch.sigmoid(g2.view(R, q, H, V).float())
+    of = torch.where(live[:, None, None, None], of, 0.0)
+    return of.reshape(T, P).to(g2.dtype)
 
 
 class KimiDeltaAttention(nn.Module):

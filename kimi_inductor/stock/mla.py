@@ -32,9 +32,13 @@ from .state import DecodeStep, LayerCache
 
 
 def write_cache(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
-    """Store ``rows`` [T, d] at ``slot_mapping`` of a paged cache [blocks, block, d]."""
-    keep = slot_mapping >= 0
-    cache.view(-1, cache.shape[-1])[slot_mapping[keep]] = rows[keep].to(cache.dtype)
+    """Store ``rows`` [T, d] at ``slot_mapping`` of a paged cache [blocks, block, d];
+    slots < 0 are not written (they rewrite slot 0, of the never-used block 0, with
+    its own value: no data-dependent shapes, so the reference stays capturable)."""
+    flat = cache.view(-1, cache.shape[-1])
+    keep = (slot_mapping >= 0)[:, None]
+    slots = slot_mapping.clamp(min=0)
+    flat[slots] = torch.where(keep, rows.to(cache.dtype), flat[slots])
 
 
 def gather_context(cache: Tensor, block_table: Tensor) -> Tensor:
