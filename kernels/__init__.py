@@ -1,0 +1,7 @@
+"""Our kernels: ``torch.library`` custom ops (namespace ``kimi_kernels``), each with one
+semantics (its CPU reference), its Triton / CuTe DSL implementations and one dispatch
+rule, all in the op's file."""
+
+from . import kda_decode, skinny_gemm
+
+__all__ = ["kda_decode", "skinny_gemm"]

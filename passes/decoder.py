@@ -29,18 +29,15 @@ from . import collectives
 from .collectives import Collective
 from .graph import OpCall, ancestors, calls
 
+import kimi_inductor.kernels  # noqa: F401  (registers kimi_kernels::*)
+
 kimi = torch.ops.kimi
 aten = torch.ops.aten
 
 ATTENTION_CORES = {kimi.kda_decode.default: "kda", kimi.mla_decode.default: "mla",
-                   kimi.dsa_decode.default: "dsa"}
+                   kimi.dsa_decode.default: "dsa", torch.ops.kimi_kernels.kda_decode.default: "kda"}
 ROUTED_EXPERTS = {kimi.fused_experts.default, kimi.ep_experts.default}
 ALLOCATIONS = {aten.empty.memory_format, aten.new_empty.default, aten.full.default, aten.zeros.default}
-
-
-def register_routed_experts(op: torch._ops.OpOverload) -> None:
-    """Let later passes' MoE ops count as routed experts (e.g. ``kimi.mega_moe``)."""
-    ROUTED_EXPERTS.add(op)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Callable
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+import kimi_inductor.kernels
 import kimi_inductor.stock
 from kimi_inductor.config import Options
 from kimi_inductor.logs import graph_log
@@ -27,11 +28,12 @@ from kimi_inductor.logs import graph_log
 from . import collectives
 from .decoder import DecoderGraph
 from .hybrid_attention import HybridAttention
+from .lower_kernels import LowerKernels
 from .report import LayerReport, MatchReport
 
 log = logging.getLogger("kimi_inductor.passes")
 
-PASSES = {"hybrid_attention": HybridAttention}  # pipeline order: kimi_inductor.config.PASS_ORDER
+PASSES = {"hybrid_attention": HybridAttention, "lower_kernels": LowerKernels}  # pipeline order: kimi_inductor.config.PASS_ORDER
 
 
 class MatchError(ValueError):
@@ -91,7 +93,8 @@ class KimiPasses(CustomGraphPass):
             raise MatchError(f"kimi_specialized (strict): not every layer was rewritten\n{report.format()}")
 
     def uuid(self) -> bytes:
-        folders = (Path(__file__).parent, Path(kimi_inductor.stock.__file__).parent)
+        folders = (Path(__file__).parent, Path(kimi_inductor.stock.__file__).parent,
+                   Path(kimi_inductor.kernels.__file__).parent)
         files = [f for folder in folders for f in sorted(folder.glob("*.py"))]
         return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json())
 

@@ -1,0 +1,67 @@
+"""Shared pieces of the GPU benchmarks: CUDA-graph timing, byte floors, results.
+
+Method (docs/performance.md): every variant runs inside one CUDA graph that calls it
+``calls`` times, cycling over ``copies`` copies of its weights so that consecutive
+calls stream from HBM, not L2; the time of one call is the median replay time over
+``replays`` replays divided by ``calls``. The floor is the bytes the call must move
+(weights + state read/write + activations) at the measured 4.28 TB/s copy ceiling.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+HBM = 4.28e12  # bytes/s, device-to-device copy on H200 (kernels_and_limits.md)
+
+
+def floor_us(nbytes: float) -> float:
+    return nbytes / HBM * 1e6
+
+
+def graph_time_us(fn: Callable[[int], Any], calls: int = 20, replays: int = 10, warmup: int = 3) -> float:
+    """Median microseconds of ``fn(i)`` (i = call index) captured ``calls`` times in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+class Results:
+    """Rows of measurements, printed as a table and written as JSON."""
+
+    def __init__(self, name: str):
+        self.name, self.rows, self.meta = name, [], {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+
+    def add(self, **row: Any) -> None:
+        self.rows.append(row)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+    def dump(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump({"benchmark": self.name, "meta": self.meta, "rows": self.rows}, fh, indent=1)

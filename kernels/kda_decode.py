@@ -1,0 +1,206 @@
+"""``kimi_kernels::kda_decode``: one KDA decode step of a layer in one Triton kernel.
+
+Semantics: ``kimi::kda_decode`` (stock/kda.py) with the decay-gate projection folded
+in: ``g1 = f_a @ f_b_weight^T`` (bf16 GEMM), i.e. f_b_proj, short conv, gates, beta,
+the delta rule over the q tokens of each request and the gated RMSNorm, updating the
+conv and recurrent states in place.
+
+Layout: one program per (request, head) with the head's whole fp32 state S [V, K] in
+registers (D = 128: 64 values per thread at 8 warps). The program loads the head's
+3 x 128 conv channels of history, the f_b rows of the head [D, D], then per token:
+conv (4 taps) -> SiLU -> bf16, L2-normalised q/k, g1 = f_a f_b^T (rounded to bf16 as
+stock's GEMM output), gate, beta, decay / correction / rank-1 update / readout, the
+state written to that token's slot, bf16 output -> RMSNorm * w * sigmoid(g2). Padding
+requests (first slot <= 0) store zeros and touch no state.
+
+Byte floor of one call (R requests, H_l heads, D = 128, fp32 state): R H_l (2 x 64 KB
+state read/write) + f_b (H_l D^2 bf16) + R q (3 + 1 + 1) H_l D bf16 activations.
+At TP8 (H_l = 12): 1.6 MB per request -> 0.37 us per request at 4.28 TB/s.
+
+Implementations: Triton on CUDA (and under ``TRITON_INTERPRET=1`` on CPU, for
+tests); the stock reference elsewhere (CPU, or shapes the kernel does not cover).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
+from kimi_inductor.stock.library import REFERENCES
+
+try:
+    import triton
+    import triton.language as tl
+
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton.jit decided at import
+except ImportError:  # CPU machines without Triton use the reference
+    triton, INTERPRET = None, False
+
+NAMESPACE = "kimi_kernels"
+
+
+def supported(conv_width: int, head_dim: int) -> str:
+    """Why the Triton kernel cannot take these shapes ('' when it can)."""
+    if triton is None:
+        return "Triton is not installed"
+    if conv_width != 4:
+        return f"conv width {conv_width} (the kernel unrolls 4 taps)"
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 128:
+        return f"head_dim {head_dim} (the kernel needs a power of two in 16..128)"
+    return ""
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bf16(x, ROUND: tl.constexpr):
+        """Round fp32 to the nearest bf16 (ties to even), kept in fp32; the identity for
+        fp32 activations. Integer ops, so the Triton interpreter (which truncates)
+        rounds as the GPU does."""
+        if ROUND:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return x
+
+    @triton.jit
+    def _kda_decode_kernel(
+        qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
+        convw_ptr, alog_ptr, dtb_ptr, normw_ptr,
+        conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, slots_ptr, acc_ptr, out_ptr, stride_out,
+        lower_bound, eps,
+        H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        P = H * D
+        slot0 = tl.load(slots_ptr + r * Q)
+        live = slot0 > 0
+        slot0 = tl.maximum(slot0, 0).to(tl.int64)
+        start = tl.maximum(tl.load(acc_ptr + r) - 1, 0)
+
+        # conv history (3 saved raw inputs) and the 4 taps of the head's q, k, v channels
+        cq, ck, cv = h * D + d, P + h * D + d, 2 * P + h * D + d
+        hist = conv_ptr + slot0 * stride_conv_s + start * stride_conv_r
+        q0 = tl.load(hist + cq).to(tl.float32)
+        q1 = tl.load(hist + stride_conv_r + cq).to(tl.float32)
+        q2 = tl.load(hist + 2 * stride_conv_r + cq).to(tl.float32)
+        k0 = tl.load(hist + ck).to(tl.float32)
+        k1 = tl.load(hist + stride_conv_r + ck).to(tl.float32)
+        k2 = tl.load(hist + 2 * stride_conv_r + ck).to(tl.float32)
+        v0 = tl.load(hist + cv).to(tl.float32)
+        v1 = tl.load(hist + stride_conv_r + cv).to(tl.float32)
+        v2 = tl.load(hist + 2 * stride_conv_r + cv).to(tl.float32)
+        wq0 = tl.load(convw_ptr + cq * 4)
+        wq1 = tl.load(convw_ptr + cq * 4 + 1)
+        wq2 = tl.load(convw_ptr + cq * 4 + 2)
+        wq3 = tl.load(convw_ptr + cq * 4 + 3)
+        wk0 = tl.load(convw_ptr + ck * 4)
+        wk1 = tl.load(convw_ptr + ck * 4 + 1)
+        wk2 = tl.load(convw_ptr + ck * 4 + 2)
+        wk3 = tl.load(convw_ptr + ck * 4 + 3)
+        wv0 = tl.load(convw_ptr + cv * 4)
+        wv1 = tl.load(convw_ptr + cv * 4 + 1)
+        wv2 = tl.load(convw_ptr + cv * 4 + 2)
+        wv3 = tl.load(convw_ptr + cv * 4 + 3)
+        # the new conv state starts with the window's last two saved inputs
+        conv_out = conv_ptr + slot0 * stride_conv_s
+        tl.store(conv_out + cq, q1.to(conv_ptr.dtype.element_ty), mask=live)
+        tl.store(conv_out + ck, k1.to(conv_ptr.dtype.element_ty), mask=live)
+        tl.store(conv_out + cv, v1.to(conv_ptr.dtype.element_ty), mask=live)
+        tl.store(conv_out + stride_conv_r + cq, q2.to(conv_ptr.dtype.element_ty), mask=live)
+        tl.store(conv_out + stride_conv_r + ck, k2.to(conv_ptr.dtype.element_ty), mask=live)
+        tl.store(conv_out + stride_conv_r + cv, v2.to(conv_ptr.dtype.element_ty), mask=live)
+
+        fbw = tl.load(fbw_ptr + (h * D + d)[:, None] * D + d[None, :]).to(tl.float32)  # [D out, D in]
+        a_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + h * D + d).to(tl.float32)
+        norm_w = tl.load(normw_ptr + d).to(tl.float32)
+        start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
+        head = h * D * D
+        S = tl.load(rec_ptr + start_slot * H * D * D + head + d[:, None] * D + d[None, :])  # [V, K]
+
+        for t in tl.static_range(Q):
+            row = r * Q + t
+            xq = tl.load(qkv_ptr + row * stride_qkv + cq).to(tl.float32)
+            xk = tl.load(qkv_ptr + row * stride_qkv + ck).to(tl.float32)
+            xv = tl.load(qkv_ptr + row * stride_qkv + cv).to(tl.float32)
+            yq = q0 * wq0 + q1 * wq1 + q2 * wq2 + xq * wq3
+            yk = k0 * wk0 + k1 * wk1 + k2 * wk2 + xk * wk3
+            yv = v0 * wv0 + v1 * wv1 + v2 * wv2 + xv * wv3
+            yq = _bf16(yq * tl.sigmoid(yq), ROUND)
+            yk = _bf16(yk * tl.sigmoid(yk), ROUND)
+            yv = _bf16(yv * tl.sigmoid(yv), ROUND)
+            q0, q1, q2 = q1, q2, xq
+            k0, k1, k2 = k1, k2, xk
+            v0, v1, v2 = v1, v2, xv
+            tl.store(conv_out + (2 + t) * stride_conv_r + cq, xq.to(conv_ptr.dtype.element_ty), mask=live)
+            tl.store(conv_out + (2 + t) * stride_conv_r + ck, xk.to(conv_ptr.dtype.element_ty), mask=live)
+            tl.store(conv_out + (2 + t) * stride_conv_r + cv, xv.to(conv_ptr.dtype.element_ty), mask=live)
+
+            qn = yq / tl.sqrt(tl.sum(yq * yq, 0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
+            kn = yk / tl.sqrt(tl.sum(yk * yk, 0) + 1e-6)
+            fa = tl.load(fa_ptr + row * stride_fa + d).to(tl.float32)
+            g1 = _bf16(tl.sum(fbw * fa[None, :], 1), ROUND)
+            gate = lower_bound * tl.sigmoid(a_h * (g1 + dtb))
+            beta = tl.sigmoid(tl.load(beta_ptr + row * stride_beta + h).to(tl.float32))
+
+            S = S * tl.exp(gate)[None, :]
+            u = beta * (yv - tl.sum(S * kn[None, :], 1))
+            S = S + u[:, None] * kn[None, :]
+            o = _bf16(tl.sum(S * qn[None, :], 1), ROUND)
+            slot_t = tl.load(slots_ptr + r * Q + t)
+            keep = live & (slot_t > 0)
+            slot_t = tl.maximum(slot_t, 0).to(tl.int64)
+            tl.store(rec_ptr + slot_t * H * D * D + head + d[:, None] * D + d[None, :], S, mask=keep)
+
+            g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d).to(tl.float32)
+            y = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * norm_w * tl.sigmoid(g2)
+            y = tl.where(live, _bf16(y, ROUND), 0.0)
+            tl.store(out_ptr + row * stride_out + h * D + d, y.to(out_ptr.dtype.element_ty))
+
+
+def _fake(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+          recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
+    return g2.new_empty(g2.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::kda_decode", mutates_args=("conv_state", "recurrent_state"))
+def kda_decode(
+    mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
+    A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor, recurrent_state: Tensor,
+    state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
+) -> Tensor:
+    H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
+    use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(
+        conv_weight.shape[-1], D)
+    if not use_triton:
+        return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
+                         conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
+    R, Q = state_slots.shape
+    assert recurrent_state.is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
+    out = torch.empty_like(g2)
+    _kda_decode_kernel[(R, H)](
+        mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
+        conv_weight, A_log, dt_bias, norm_weight,
+        conv_state, conv_state.stride(0), conv_state.stride(1), recurrent_state, state_slots, num_accepted,
+        out, out.stride(0), lower_bound, norm_eps, H=H, D=D, Q=Q,
+        ROUND=mixed_qkv.dtype == torch.bfloat16, num_warps=8 if D >= 128 else 4)
+    return out
+
+
+kda_decode.register_fake(_fake)
+
+
+def reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+              recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
+    """The op's semantics: stock's f_b_proj GEMM, then stock's ``kimi::kda_decode``."""
+    g1 = F.linear(f_a, f_b_weight)
+    return REFERENCES[torch.ops.kimi.kda_decode.default](mixed_qkv, g1, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
+                                     conv_state, recurrent_state, state_slots, num_accepted, lower_bound,
+                                     norm_eps)

@@ -1,0 +1,142 @@
+"""``kimi_kernels::skinny_mm``: decode-size GEMMs ``[acc +] x W^T`` for M <= 64 rows.
+
+Semantics: ``out = (acc + x @ W^T)`` with x [M, K], W [N, K] (the weight as stored, no
+transpose copy), fp32 accumulation, one rounding to ``out_dtype`` (bf16, or fp32 for
+the MoE router's logits). ``acc`` (optional, [M, N]) is the addmm accumulator of the
+latent MoE tail (the shared experts' output).
+
+Decode GEMMs stream the weight once: the byte floor of one call is
+``N K s_w + M K s_x + M N s_o`` (s = bytes per element); at M <= 64 the weight is
+all of it (e.g. the TP8 KDA in-projection, 6288 x 7168 bf16: 90 MB -> 21.1 us at
+4.28 TB/s). The kernel tiles N into BN-column slabs (one program each) and, when that
+leaves too few programs to keep every SM streaming, splits K into SPLIT chunks whose
+fp32 partials a second kernel sums in a fixed order (deterministic: replicated GEMMs
+must give every rank the same bits). x is padded to BM >= 16 rows for ``tl.dot``.
+
+Implementations: Triton on CUDA (and under ``TRITON_INTERPRET=1`` on CPU, where the
+dot runs in fp32: the interpreter's bf16 dot is wrong); ``torch`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton.jit decided at import
+except ImportError:
+    triton, INTERPRET = None, False
+
+NAMESPACE = "kimi_kernels"
+MAX_ROWS = 64
+SMS = 132  # H200; more programs than SMs keep every SM streaming
+
+
+def supported(M: int, N: int, K: int, dtype: torch.dtype) -> str:
+    if triton is None:
+        return "Triton is not installed"
+    if M > MAX_ROWS:
+        return f"{M} rows (> {MAX_ROWS}: cuBLAS/Inductor territory)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"dtype {dtype}"
+    if K % 8 or N % 8:
+        return f"N={N}, K={K} not multiples of 8"
+    return ""
+
+
+def config(M: int, N: int, K: int) -> dict[str, int]:
+    """Tile sizes: BN-column slabs, and a K split when the slabs alone are too few."""
+    bm = max(16, triton.next_power_of_2(M))
+    bk = min(256, max(16, triton.next_power_of_2(K)))
+    bn = 32 if N // 32 >= 2 * SMS else 16
+    slabs = triton.cdiv(N, bn)
+    split = max(1, min(triton.cdiv(2 * SMS, slabs), triton.cdiv(K, 4 * bk), 16))
+    return dict(BM=bm, BN=bn, BK=bk, SPLIT=split)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mm_kernel(x_ptr, w_ptr, acc_ptr, out_ptr, ws_ptr, M, N, K, stride_x, stride_w, stride_acc, stride_out,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+        k_lo = pid_k * chunk
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BK):
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
+                        other=0.0)
+            if DOT_F32:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w))
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT == 1:
+            if HAS_ACC:
+                acc += tl.load(acc_ptr + rm[:, None] * stride_acc + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _split_sum_kernel(ws_ptr, acc_ptr, out_ptr, M, N, stride_acc, stride_out,
+                          SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_ACC: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < M * N
+        m, n = i // N, i % N
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):  # fixed order: deterministic
+            total += tl.load(ws_ptr + s * M * N + i, mask=mask, other=0.0)
+        if HAS_ACC:
+            total += tl.load(acc_ptr + m * stride_acc + n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _fake(x, weight, acc, out_dtype):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::skinny_mm", mutates_args=())
+def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    interpret = INTERPRET
+    if not (x.is_cuda or interpret) or supported(M, N, K, x.dtype):
+        return reference(x, weight, acc, out_dtype)
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and (acc is None or acc.stride(1) == 1)
+    cfg = config(M, N, K)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    split = cfg["SPLIT"]
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    acc_arg = acc if acc is not None else out
+    grid = (triton.cdiv(N, cfg["BN"]), split)
+    _mm_kernel[grid](x, weight, acc_arg, out, ws, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0),
+                     out.stride(0), HAS_ACC=acc is not None, DOT_F32=interpret, num_warps=4, num_stages=4, **cfg)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, block),)](ws, acc_arg, out, M, N, acc_arg.stride(0), out.stride(0),
+                                                          SPLIT=split, BLOCK=block, HAS_ACC=acc is not None)
+    return out
+
+
+skinny_mm.register_fake(_fake)
+
+
+def reference(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """``[acc +] x W^T`` as stock computes it (addmm / mm, or fp32 logits from bf16)."""
+    if out_dtype == x.dtype:
+        return torch.addmm(acc, x, weight.t()) if acc is not None else x @ weight.t()
+    out = x.to(out_dtype) @ weight.to(out_dtype).t()
+    return out + acc.to(out_dtype) if acc is not None else out

@@ -1,0 +1,162 @@
+"""lower_kernels: replace decode subgraphs by our kernels (``kimi_inductor.kernels``).
+
+Matches and produces (M = rows, at most 64):
+
+    before                                          after
+    mm(x, permute(W, [1, 0]))                       kimi_kernels.skinny_mm(x, W, None, bf16)
+    addmm(acc, x, permute(W, [1, 0]))               kimi_kernels.skinny_mm(x, W, acc, bf16)
+    mm(f32(x), permute(f32(W), [1, 0]))  (router)   kimi_kernels.skinny_mm(x, W, None, f32)
+    mm.dtype(x, permute(W), f32)         (router)   kimi_kernels.skinny_mm(x, W, None, f32)
+    g1 = <any of the above>(f_a, W_fb)
+    kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
+
+Each replacement computes the same function (the kernels' CPU references are the
+replaced ops; on CPU the lowered graph is bitwise the unlowered one). A GEMM with
+more than 64 rows, an unsupported dtype or shape, or a KDA layer the fused kernel does
+not cover stays as it was, and the report says why.
+
+Invariants. Relies on: ``meta["val"]`` of the matched nodes. Establishes: the same
+values and mutations (``auto_functionalized_v2`` around ``kimi.kda_decode`` becomes one
+around ``kimi_kernels.kda_decode`` with the same bases); row layouts unchanged.
+
+Order: after hybrid_attention (so that replicated and sharded rows are final).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import fx
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+
+from kimi_inductor.kernels import kda_decode as kda_kernel
+from kimi_inductor.kernels import skinny_gemm
+
+from .decoder import DecoderGraph
+from .graph import OpCall, refresh_meta
+from .report import PassInfo
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+def _weight(node) -> fx.Node | None:
+    """W when ``node`` is ``permute(W, [1, 0])`` (the transposed view linear uses)."""
+    if isinstance(node, fx.Node) and node.target is aten.permute.default and list(node.args[1]) == [1, 0]:
+        return node.args[0]
+    return None
+
+
+def _source(node, dtype: torch.dtype):
+    """x when ``node`` is ``convert_element_type(x, dtype)``."""
+    if isinstance(node, fx.Node) and node.target is prims.convert_element_type.default and node.args[1] == dtype:
+        return node.args[0]
+    return None
+
+
+def match_gemm(node: fx.Node):
+    """(x, W, acc, out_dtype) for a linear layer's GEMM, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.mm.default:
+        x, wt = node.args
+        w = _weight(wt)
+        if w is not None:
+            return x, w, None, node.meta["val"].dtype
+        xs, ws = _source(x, torch.float32), _weight(wt)
+        ws = _source(ws, torch.float32) if ws is not None else None
+        if xs is not None and ws is not None:  # bf16 operands, fp32 logits (the router on CPU)
+            return xs, ws, None, torch.float32
+    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        acc, x, wt = node.args
+        w = _weight(wt)
+        if w is not None:
+            return x, w, acc, node.meta["val"].dtype
+    if node.target is aten.mm.dtype:
+        x, wt, out_dtype = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["out_dtype"]
+        w = _weight(wt)
+        if w is not None:
+            return x, w, None, out_dtype
+    return None
+
+
+class LowerKernels:
+    name = "lower_kernels"
+
+    def __call__(self, gm: fx.GraphModule, ctx) -> PassInfo:
+        info = PassInfo(self.name)
+        g = gm.graph
+        per_node: dict[fx.Node, str] = {}
+        kept = Counter()
+        # KDA first: its f_b GEMM folds into the fused kernel
+        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op is torch.ops.kimi.kda_decode.default]:
+            info.matched += 1
+            g1 = call.arg("g1")
+            gemm = match_gemm(g1) if isinstance(g1, fx.Node) else None
+            conv_width = call.arg("conv_weight").meta["val"].shape[-1]
+            why = kda_kernel.supported(conv_width, call.arg("recurrent_state").meta["val"].shape[-1])
+            if gemm is None or gemm[2] is not None or call.node.target is not auto_functionalized_v2:
+                why = why or "its g1 is not a plain f_b GEMM"
+            if why:
+                kept[f"KDA core: {why}"] += 1
+                continue
+            per_node[_fuse_kda(g, call, f_a=gemm[0], f_b=gemm[1])] = "kda"
+            info.rewritten += 1
+        for node in list(g.nodes):
+            gemm = match_gemm(node)
+            if gemm is None:
+                continue
+            x, w, acc, out_dtype = gemm
+            info.matched += 1
+            M, K = x.meta["val"].shape
+            N = w.meta["val"].shape[0]
+            why = skinny_gemm.supported(M, N, K, x.meta["val"].dtype) if isinstance(M, int) else "symbolic rows"
+            if why:
+                kept[f"GEMM {N}x{K}: {why}"] += 1
+                continue
+            with g.inserting_before(node):
+                new = g.call_function(torch.ops.kimi_kernels.skinny_mm.default, (x, w, acc, out_dtype))
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            per_node[new] = "gemm"
+            info.rewritten += 1
+        g.eliminate_dead_code()
+        gm.recompile()
+        refresh_meta(gm)
+        info.skipped = [f"{n} x kept: {why}" for why, n in kept.items()]
+        _annotate(gm, ctx, per_node)
+        return info
+
+
+def _fuse_kda(g: fx.Graph, call: OpCall, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
+    kwargs = {k: v for k, v in call.node.kwargs.items() if k != "g1"}
+    kwargs.update(f_a=f_a, f_b_weight=f_b)
+    with g.inserting_before(call.node):
+        fused = g.call_function(auto_functionalized_v2, (torch.ops.kimi_kernels.kda_decode.default,), kwargs)
+    fused.meta.update({k: v for k, v in call.node.meta.items() if k != "eager_input_vals"})
+    call.node.replace_all_uses_with(fused)
+    g.erase_node(call.node)
+    return fused
+
+
+def _annotate(gm: fx.GraphModule, ctx, per_node: dict[fx.Node, str]) -> None:
+    """Per layer: which of its subgraphs now run our kernels."""
+    dg = DecoderGraph.parse(gm.graph)
+    if not dg.layers or len(dg.layers) != len(ctx.report.layers):
+        return
+    for layer, row in zip(dg.layers, ctx.report.layers):
+        attn = [n for n in _region(layer.pre.output(0), layer.attn_out) if n in per_node]
+        mlp = [n for n in _region(layer.mlp_in, layer.mlp_out) if n in per_node]
+        row.notes["kernels"] = (f"attention: {_summary(attn, per_node)}; mlp: {_summary(mlp, per_node)}")
+
+
+def _region(src, dst):
+    from .decoder import _between
+
+    return _between(src, dst) if src is not None and dst is not None else set()
+
+
+def _summary(nodes, per_node) -> str:
+    c = Counter(per_node[n] for n in nodes)
+    parts = ([f"fused KDA x{c['kda']}"] if c["kda"] else []) + ([f"skinny GEMM x{c['gemm']}"] if c["gemm"] else [])
+    return ", ".join(parts) or "stock"
