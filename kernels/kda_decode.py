@@ -108,6 +108,18 @@ if triton is not None:
         wv1 = tl.load(convw_ptr + cv * 4 + 1)
         wv2 = tl.load(convw_ptr + cv * 4 + 2)
         wv3 = tl.load(convw_ptr + cv * 4 + 3)
+        fbw = tl.load(fbw_ptr + (h * D + d)[:, None] * D + d[None, :]).to(tl.float32)  # [D out, D in]
+        a_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + h * D + d).to(tl.float32)
+        norm_w = tl.load(normw_ptr + d).to(tl.float32)
+        start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
+        head = h * D * D
+        S = tl.load(rec_ptr + start_slot * H * D * D + head + d[:, None] * D + d[None, :])  # [V, K]
+        # Every thread must have read the saved conv window and state before any thread
+        # overwrites them (a token's state may land in the slot it started from, and
+        # the new conv rows overlap the window; elements can be replicated across threads).
+        tl.debug_barrier()
+
         # the new conv state starts with the window's last two saved inputs
         conv_out = conv_ptr + slot0 * stride_conv_s
         tl.store(conv_out + cq, q1.to(conv_ptr.dtype.element_ty), mask=live)
@@ -116,14 +128,6 @@ if triton is not None:
         tl.store(conv_out + stride_conv_r + cq, q2.to(conv_ptr.dtype.element_ty), mask=live)
         tl.store(conv_out + stride_conv_r + ck, k2.to(conv_ptr.dtype.element_ty), mask=live)
         tl.store(conv_out + stride_conv_r + cv, v2.to(conv_ptr.dtype.element_ty), mask=live)
-
-        fbw = tl.load(fbw_ptr + (h * D + d)[:, None] * D + d[None, :]).to(tl.float32)  # [D out, D in]
-        a_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-        dtb = tl.load(dtb_ptr + h * D + d).to(tl.float32)
-        norm_w = tl.load(normw_ptr + d).to(tl.float32)
-        start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
-        head = h * D * D
-        S = tl.load(rec_ptr + start_slot * H * D * D + head + d[:, None] * D + d[None, :])  # [V, K]
 
         for t in tl.static_range(Q):
             row = r * Q + t
@@ -185,13 +189,20 @@ def kda_decode(
     R, Q = state_slots.shape
     assert recurrent_state.is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
     out = torch.empty_like(g2)
-    _kda_decode_kernel[(R, H)](
-        mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
-        conv_weight, A_log, dt_bias, norm_weight,
-        conv_state, conv_state.stride(0), conv_state.stride(1), recurrent_state, state_slots, num_accepted,
-        out, out.stride(0), lower_bound, norm_eps, H=H, D=D, Q=Q,
-        ROUND=mixed_qkv.dtype == torch.bfloat16, num_warps=8 if D >= 128 else 4)
+    _kda_decode_kernel[(R, H)](*kernel_args(
+        mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps),
+        H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
+        num_warps=4 if Q <= 2 or D < 128 else 8)  # measured on H200: docs/results/kda_kernel_h200_v1.json
     return out
+
+
+def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+                recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps) -> tuple:
+    """The Triton kernel's positional arguments (strides included)."""
+    return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
+            conv_weight, A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
+            recurrent_state, state_slots, num_accepted, out, out.stride(0), lower_bound, norm_eps)
 
 
 kda_decode.register_fake(_fake)

@@ -36,6 +36,16 @@ except ImportError:
 NAMESPACE = "kimi_kernels"
 MAX_ROWS = 64
 SMS = 132  # H200; more programs than SMs keep every SM streaming
+# (N, K) -> the most rows at which this kernel beat cuBLAS on H200 inside CUDA graphs
+# (benchmarks/gemm.py, docs/results/gemm_h200_v1.json); elsewhere cuBLAS stays.
+FASTER_THAN_CUBLAS = {(12288, 7168): 8}
+
+
+def preferred(M: int, N: int, K: int) -> str:
+    """Why cuBLAS stays for this GEMM ('' when this kernel is faster)."""
+    if M > FASTER_THAN_CUBLAS.get((N, K), 0):
+        return "cuBLAS is faster at this shape on H200 (docs/results/gemm_h200_v1.json)"
+    return ""
 
 
 def supported(M: int, N: int, K: int, dtype: torch.dtype) -> str:

@@ -110,7 +110,10 @@ class LowerKernels:
             info.matched += 1
             M, K = x.meta["val"].shape
             N = w.meta["val"].shape[0]
-            why = skinny_gemm.supported(M, N, K, x.meta["val"].dtype) if isinstance(M, int) else "symbolic rows"
+            if not isinstance(M, int):
+                why = "symbolic rows"
+            else:
+                why = skinny_gemm.supported(M, N, K, x.meta["val"].dtype) or skinny_gemm.preferred(M, N, K)
             if why:
                 kept[f"GEMM {N}x{K}: {why}"] += 1
                 continue

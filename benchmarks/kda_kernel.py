@@ -1,0 +1,58 @@
+"""The fused KDA decode kernel alone (f_b GEMM + conv + gates + delta rule + gated norm)
+at TP8 per-rank heads (12 x 128): ours (per num_warps) vs the stock math compiled by
+Inductor vs the byte floor, inside CUDA graphs.
+
+    python benchmarks/kda_kernel.py --json kda_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+from common import Results, floor_us, graph_time_us  # noqa: E402
+from test_kda_decode import inputs  # noqa: E402
+
+import kimi_inductor.kernels.kda_decode as K  # noqa: E402
+
+
+def main(argv=None) -> Results:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--q", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    H, D = 12, 128
+    res = Results("kda_kernel")
+    stock = torch.compile(K.reference, dynamic=False)
+    for q in args.q:
+        for R in args.requests:
+            x = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs(R, q, H, D, seed=1).items()}
+            x["state_slots"][:] = (1 + torch.arange(R * q, dtype=torch.int32, device="cuda")).view(R, q)
+            x["num_accepted"][:] = q
+            out = torch.empty_like(x["g2"])
+            kargs = K.kernel_args(**{k: x[k] for k in ("mixed_qkv", "f_a", "f_b_weight", "g2", "beta", "conv_weight",
+                                                        "A_log", "dt_bias", "norm_weight", "conv_state",
+                                                        "recurrent_state", "state_slots", "num_accepted")},
+                                  out=out, lower_bound=-5.0, norm_eps=1e-5)
+            nbytes = (R * H * D * D * 4 * (1 + q) + H * D * D * 2 + R * (2 + q) * 3 * H * D * 2 * 2
+                      + R * q * (5 * H * D + D + H) * 2)
+            row = dict(q=q, requests=R, floor_us=floor_us(nbytes))
+            row["inductor_us"] = graph_time_us(lambda i: stock(**x))
+            for w in args.warps:
+                row[f"ours_w{w}_us"] = graph_time_us(
+                    lambda i: K._kda_decode_kernel[(R, H)](*kargs, H=H, D=D, Q=q, ROUND=True, num_warps=w))
+            res.add(**row)
+    if args.json:
+        res.dump(args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()
