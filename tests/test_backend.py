@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import compile_tiny
+from helpers import compile_tiny
 
 import kimi_inductor
 from kimi_inductor.backend import KimiSpecialized, match_report
@@ -106,7 +106,7 @@ def test_torch_logs_prints_the_report():
     proc = run_fresh("""
         import torch, torch.distributed as dist, sys
         sys.path.insert(0, "tests")
-        from conftest import compile_tiny
+        from helpers import compile_tiny
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         compile_tiny(group=dist.group.WORLD, q=1, requests=2, padding=0)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compile_tiny
+from helpers import compile_tiny
 from expecttest import assert_expected_inline
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
