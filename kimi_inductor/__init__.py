@@ -12,3 +12,13 @@ def register() -> None:
 
     if "kimi_specialized" not in torch._dynamo.list_backends(exclude_tags=()):
         torch._dynamo.register_backend(kimi_specialized, "kimi_specialized")
+
+
+def __getattr__(name: str):
+    # vLLM resolves pass qualnames as ``__import__("kimi_inductor").__dict__[name]``:
+    # ``kimi_inductor.KimiInductorPass`` works, lazily (it imports vLLM).
+    if name == "KimiInductorPass":
+        from .vllm_glue import KimiInductorPass
+
+        return KimiInductorPass
+    raise AttributeError(f"module 'kimi_inductor' has no attribute {name!r}")

@@ -39,7 +39,7 @@ class KimiSpecialized:
         self.reports: list[MatchReport] = []
 
     @classmethod
-    def for_options(cls, options: Mapping[str, Any] | None) -> "KimiSpecialized":
+    def for_options(cls, options: Options | Mapping[str, Any] | None) -> "KimiSpecialized":
         """The backend object the string backend uses for these options."""
         opts = Options.from_mapping(options)
         return cls._shared.setdefault(opts.to_json(), cls(opts))
@@ -109,8 +109,19 @@ def _eager_inner(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Cal
 
 def kimi_specialized(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
                      mode: str | None = None) -> Callable:
-    """The ``torch_dynamo_backends`` entry point."""
+    """The ``torch_dynamo_backends`` entry point. Inside vLLM (compilation modes 1 and
+    2 pass no options) the options come from ``additional_config["kimi_inductor"]``."""
+    if options is None:
+        options = _vllm_options()
     return KimiSpecialized.for_options(options)(gm, example_inputs)
+
+
+def _vllm_options() -> Options | None:
+    try:
+        from .vllm_glue import current_vllm_options
+    except ImportError:  # no vLLM: plain torch.compile
+        return None
+    return current_vllm_options()
 
 
 def match_report(compiled: torch.nn.Module | Callable) -> MatchReport | None:

