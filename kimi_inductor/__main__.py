@@ -1,4 +1,4 @@
-"""``python -m kimi_inductor {demo,explain}``."""
+"""``python -m kimi_inductor {demo,explain,bench}``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--part", default="attention", choices=["attention", "mlp"])
     e.add_argument("--json", dest="json_path")
 
+    b = sub.add_parser("bench", help="run the GPU benchmarks (benchmarks/), write JSON and a plot")
+    b.add_argument("--out", default="bench-results", help="folder for the JSON files and the plot")
+    b.add_argument("--only", nargs="+", help="a subset of: kda_layer_q1 kda_layer_q4 kda_kernel gemm")
+    b.add_argument("--smoke", action="store_true", help="CPU smoke run of the KDA layer benchmark")
+
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.command == "demo":
@@ -43,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
                       args.compiler, args.json_path)
         print(format_demo(result))
         return 0 if result["agree"] else 1
+
+    if args.command == "bench":
+        from .bench import bench
+
+        for name, path in bench(args.out, args.only, args.smoke).items():
+            print(f"{name}: {path}")
+        return 0
 
     from .explain import explain
 

@@ -30,3 +30,12 @@ def test_explain_compiles_without_running():
     assert [l.kind for l in report.layers][3] == "dsa"
     assert "c10d.reduce_scatter_tensor" in before and "c10d.all_reduce" in after
     assert "kimi.dsa_decode" in after and "reduce_scatter" not in after
+
+
+@pytest.mark.slow
+def test_bench_smoke_runs_the_layer_benchmark_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kimi_inductor", "bench", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "kda_layer_smoke.json").read_text())["rows"]
+    assert rows and rows[0]["rel_err"] < 0.05

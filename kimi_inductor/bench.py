@@ -1,0 +1,75 @@
+"""``python -m kimi_inductor bench``: run the GPU benchmarks of ``benchmarks/`` in turn,
+with a progress bar, write their JSON into one folder and plot the layer steps.
+
+Needs a checkout (the benchmarks live beside the package) and a CUDA GPU; ``--smoke``
+runs the KDA layer benchmark's CPU smoke mode instead (no timings).
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+SUITE = {  # name: (script, arguments)
+    "kda_layer_q1": ("kda_layer.py", ["--rows", "1", "8", "32", "64", "--q", "1"]),
+    "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
+    "kda_kernel": ("kda_kernel.py", []),
+    "gemm": ("gemm.py", []),
+}
+
+
+def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> dict[str, str]:
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    if not root.is_dir():
+        raise ValueError(f"no benchmarks/ folder beside the package ({root}): run from a checkout")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    suite = {"kda_layer_smoke": ("kda_layer.py", ["--smoke", "--rows", "1", "--q", "1"])} if smoke else SUITE
+    names = [n for n in suite if only is None or n in only]
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a plain loop without the bar
+        def tqdm(items, **kwargs):
+            return items
+    written = {}
+    for name in tqdm(names, desc="kimi_inductor bench", unit="benchmark"):
+        script, args = suite[name]
+        path = out / f"{name}.json"
+        sys.argv = [script, *args, "--json", str(path)]
+        runpy.run_path(str(root / script), run_name="__main__")
+        written[name] = str(path)
+    if not smoke:
+        plot(out)
+    return written
+
+
+def plot(out: Path) -> Path | None:
+    """Layer step time against rows: stock Inductor + CUDA graphs, kimi_specialized, floor."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, q in zip(axes, (1, 4)):
+        path = out / f"kda_layer_q{q}.json"
+        if not path.exists():
+            continue
+        rows = json.loads(path.read_text())["rows"]
+        x = [r["rows"] for r in rows]
+        for key, label in (("inductor_us", "stock, Inductor + CUDA graph"), ("kimi_us", "kimi_specialized"),
+                           ("floor_us", "byte floor (4.28 TB/s)")):
+            ax.plot(x, [r[key] for r in rows], marker="o", label=label)
+        ax.set_title(f"KDA layer step, TP8 per rank, q = {q}")
+        ax.set_xlabel("rows")
+        ax.set_xscale("log", base=2)
+    axes[0].set_ylabel("us per step")
+    axes[0].legend()
+    fig.tight_layout()
+    target = out / "kda_layer.png"
+    fig.savefig(target, dpi=120)
+    return target
