@@ -47,7 +47,8 @@ def main(argv=None) -> Results:
             row["inductor_us"] = graph_time_us(lambda i: stock(**x))
             for w in args.warps:
                 row[f"ours_w{w}_us"] = graph_time_us(
-                    lambda i: K._kda_decode_kernel[(R, H)](*kargs, H=H, D=D, Q=q, ROUND=True, num_warps=w))
+                    lambda i: K._kda_decode_kernel[(R, H)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
+                                                                 num_warps=w))
             res.add(**row)
     if args.json:
         res.dump(args.json)

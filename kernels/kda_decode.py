@@ -6,10 +6,10 @@ the delta rule over the q tokens of each request and the gated RMSNorm, updating
 conv and recurrent states in place.
 
 Layout: one program per (request, head) with the head's whole fp32 state S [V, K] in
-registers (D = 128: 64 values per thread at 8 warps). The program loads the head's
-3 x 128 conv channels of history, the f_b rows of the head [D, D], then per token:
-conv (4 taps) -> SiLU -> bf16, L2-normalised q/k, g1 = f_a f_b^T (rounded to bf16 as
-stock's GEMM output), gate, beta, decay / correction / rank-1 update / readout, the
+registers (D = 128: 128 values per thread at 4 warps). The program loads the head's
+3 x 128 conv channels of history, computes g1 = f_a f_b^T for the request's q tokens in
+one dot (rounded to bf16 as stock's GEMM output), then per token: conv (4 taps) -> SiLU
+-> bf16, L2-normalised q/k, gate, beta, decay / correction / rank-1 update / readout, the
 state written to that token's slot, bf16 output -> RMSNorm * w * sigmoid(g2). Padding
 requests (first slot <= 0) store zeros and touch no state.
 
@@ -73,7 +73,7 @@ if triton is not None:
         convw_ptr, alog_ptr, dtb_ptr, normw_ptr,
         conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, slots_ptr, acc_ptr, out_ptr, stride_out,
         lower_bound, eps,
-        H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -108,7 +108,16 @@ if triton is not None:
         wv1 = tl.load(convw_ptr + cv * 4 + 1)
         wv2 = tl.load(convw_ptr + cv * 4 + 2)
         wv3 = tl.load(convw_ptr + cv * 4 + 3)
-        fbw = tl.load(fbw_ptr + (h * D + d)[:, None] * D + d[None, :]).to(tl.float32)  # [D out, D in]
+        # g1 = f_a f_b^T for all q tokens at once (one dot, rows padded to 16), so that the
+        # f_b rows need not stay in registers next to the state during the token loop
+        tq = tl.arange(0, 16)
+        fa_all = tl.load(fa_ptr + (r * Q + tq)[:, None] * stride_fa + d[None, :], mask=(tq < Q)[:, None], other=0.0)
+        fbw_t = tl.load(fbw_ptr + (h * D + d)[None, :] * D + d[:, None])  # [D in, D out]
+        if DOT_F32:
+            g1_all = tl.dot(fa_all.to(tl.float32), fbw_t.to(tl.float32), input_precision="ieee")
+        else:
+            g1_all = tl.dot(fa_all, fbw_t)
+        g1_all = _bf16(g1_all, ROUND)  # [16, D]: stock rounds the f_b GEMM's output to bf16
         a_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * D + d).to(tl.float32)
         norm_w = tl.load(normw_ptr + d).to(tl.float32)
@@ -149,8 +158,7 @@ if triton is not None:
 
             qn = yq / tl.sqrt(tl.sum(yq * yq, 0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
             kn = yk / tl.sqrt(tl.sum(yk * yk, 0) + 1e-6)
-            fa = tl.load(fa_ptr + row * stride_fa + d).to(tl.float32)
-            g1 = _bf16(tl.sum(fbw * fa[None, :], 1), ROUND)
+            g1 = tl.sum(tl.where((tq == t)[:, None], g1_all, 0.0), 0)
             gate = lower_bound * tl.sigmoid(a_h * (g1 + dtb))
             beta = tl.sigmoid(tl.load(beta_ptr + row * stride_beta + h).to(tl.float32))
 
@@ -193,7 +201,8 @@ def kda_decode(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
         recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
-        num_warps=4)  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2}.json
+        DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
+        num_warps=4)  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
