@@ -23,7 +23,6 @@ tests); the stock reference elsewhere (CPU, or shapes the kernel does not cover)
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +31,7 @@ from torch import Tensor
 import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
 from kimi_inductor.stock.library import REFERENCES
 
-try:
-    import triton
-    import triton.language as tl
-
-    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton.jit decided at import
-except ImportError:  # CPU machines without Triton use the reference
-    triton, INTERPRET = None, False
+from .common import INTERPRET, bf16_round, tl, triton
 
 NAMESPACE = "kimi_kernels"
 
@@ -55,17 +48,6 @@ def supported(conv_width: int, head_dim: int) -> str:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _bf16(x, ROUND: tl.constexpr):
-        """Round fp32 to the nearest bf16 (ties to even), kept in fp32; the identity for
-        fp32 activations. Integer ops, so the Triton interpreter (which truncates)
-        rounds as the GPU does."""
-        if ROUND:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
-        return x
 
     @triton.jit
     def _kda_decode_kernel(
@@ -117,7 +99,7 @@ if triton is not None:
             g1_all = tl.dot(fa_all.to(tl.float32), fbw_t.to(tl.float32), input_precision="ieee")
         else:
             g1_all = tl.dot(fa_all, fbw_t)
-        g1_all = _bf16(g1_all, ROUND)  # [16, D]: stock rounds the f_b GEMM's output to bf16
+        g1_all = bf16_round(g1_all, ROUND)  # [16, D]: stock rounds the f_b GEMM's output to bf16
         a_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * D + d).to(tl.float32)
         norm_w = tl.load(normw_ptr + d).to(tl.float32)
@@ -146,9 +128,9 @@ if triton is not None:
             yq = q0 * wq0 + q1 * wq1 + q2 * wq2 + xq * wq3
             yk = k0 * wk0 + k1 * wk1 + k2 * wk2 + xk * wk3
             yv = v0 * wv0 + v1 * wv1 + v2 * wv2 + xv * wv3
-            yq = _bf16(yq * tl.sigmoid(yq), ROUND)
-            yk = _bf16(yk * tl.sigmoid(yk), ROUND)
-            yv = _bf16(yv * tl.sigmoid(yv), ROUND)
+            yq = bf16_round(yq * tl.sigmoid(yq), ROUND)
+            yk = bf16_round(yk * tl.sigmoid(yk), ROUND)
+            yv = bf16_round(yv * tl.sigmoid(yv), ROUND)
             q0, q1, q2 = q1, q2, xq
             k0, k1, k2 = k1, k2, xk
             v0, v1, v2 = v1, v2, xv
@@ -165,7 +147,7 @@ if triton is not None:
             S = S * tl.exp(gate)[None, :]
             u = beta * (yv - tl.sum(S * kn[None, :], 1))
             S = S + u[:, None] * kn[None, :]
-            o = _bf16(tl.sum(S * qn[None, :], 1), ROUND)
+            o = bf16_round(tl.sum(S * qn[None, :], 1), ROUND)
             slot_t = tl.load(slots_ptr + r * Q + t)
             keep = live & (slot_t > 0)
             slot_t = tl.maximum(slot_t, 0).to(tl.int64)
@@ -173,7 +155,7 @@ if triton is not None:
 
             g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d).to(tl.float32)
             y = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * norm_w * tl.sigmoid(g2)
-            y = tl.where(live, _bf16(y, ROUND), 0.0)
+            y = tl.where(live, bf16_round(y, ROUND), 0.0)
             tl.store(out_ptr + row * stride_out + h * D + d, y.to(out_ptr.dtype.element_ty))
 
 

@@ -19,19 +19,12 @@ dot runs in fp32: the interpreter's bf16 dot is wrong); ``torch`` elsewhere.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-
-    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton.jit decided at import
-except ImportError:
-    triton, INTERPRET = None, False
+from .common import INTERPRET, tl, triton
 
 NAMESPACE = "kimi_kernels"
 MAX_ROWS = 64

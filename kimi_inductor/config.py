@@ -1,7 +1,7 @@
 """Options of the ``kimi_specialized`` backend, given as ``torch.compile(options=...)``.
 
     torch.compile(model, backend="kimi_specialized", options={
-        "passes": ["hybrid_attention", "lower_kernels"],  # which rewrites run (pipeline order)
+        "passes": ["hybrid_attention", "mega_moe", "lower_kernels"],  # which rewrites run (pipeline order)
         "decode": {"tp": 4, "q": 4, "dcp": 1,    # the deployment's decode settings
                    "capture_sizes": [8, 16]},    # rewrite only these batch rows (empty: all)
         "strict": False,                         # raise when a layer does not match
@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-PASS_ORDER = ("hybrid_attention", "lower_kernels")
+PASS_ORDER = ("hybrid_attention", "mega_moe", "lower_kernels")
 COMPILERS = ("inductor", "eager")
 
 

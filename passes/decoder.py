@@ -36,7 +36,8 @@ aten = torch.ops.aten
 
 ATTENTION_CORES = {kimi.kda_decode.default: "kda", kimi.mla_decode.default: "mla",
                    kimi.dsa_decode.default: "dsa", torch.ops.kimi_kernels.kda_decode.default: "kda"}
-ROUTED_EXPERTS = {kimi.fused_experts.default, kimi.ep_experts.default}
+ROUTED_EXPERTS = {kimi.fused_experts.default, kimi.ep_experts.default,
+                  torch.ops.kimi_kernels.mega_moe.default, torch.ops.kimi_kernels.expert_ffn.default}
 ALLOCATIONS = {aten.empty.memory_format, aten.new_empty.default, aten.full.default, aten.zeros.default}
 
 

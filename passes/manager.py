@@ -29,11 +29,12 @@ from . import collectives
 from .decoder import DecoderGraph
 from .hybrid_attention import HybridAttention
 from .lower_kernels import LowerKernels
+from .mega_moe import MegaMoE
 from .report import LayerReport, MatchReport
 
 log = logging.getLogger("kimi_inductor.passes")
 
-PASSES = {"hybrid_attention": HybridAttention, "lower_kernels": LowerKernels}  # pipeline order: kimi_inductor.config.PASS_ORDER
+PASSES = {"hybrid_attention": HybridAttention, "mega_moe": MegaMoE, "lower_kernels": LowerKernels}  # pipeline order: kimi_inductor.config.PASS_ORDER
 
 
 class MatchError(ValueError):

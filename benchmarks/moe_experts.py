@@ -1,0 +1,114 @@
+"""The routed experts of one Kimi K3 MoE layer on one rank (latent 3584, expert FFN 3072,
+bf16 weights, top-16), at c rows per rank:
+
+* ours: ``kimi_kernels.expert_ffn`` (grouped Triton kernel), inside a CUDA graph, for
+  a sweep of slab widths BN;
+* stock loop: the stock expert loop (``combine_experts``: one pair of GEMMs per expert
+  that got rows); data-dependent shapes and host synchronisation, so it runs eagerly;
+* Inductor + graph: the capturable form of the stock math (every local expert on every
+  row, routing weight 0 where not routed: batched GEMMs), compiled by Inductor and
+  captured in the CUDA graph;
+* floor: the weights of the experts that got a pair, plus activations, at 4.28 TB/s.
+
+``--experts 112`` is a rank of EP 8 (it runs the 16 c (token, expert) pairs of the
+group's 8 c rows that hit its experts, i.e. as many as c rows with 16 local experts
+each); ``--experts 896`` is EP 1.
+
+    python benchmarks/moe_experts.py --experts 112 896 --rows 1 8 32 64 --json moe_experts.json
+    python benchmarks/moe_experts.py --smoke     # CPU, tiny shapes: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, floor_us, graph_time_us  # noqa: E402
+
+from kimi_inductor.kernels import expert_ffn as X  # noqa: E402
+from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
+
+BETA, LINEAR_BETA = 4.0, 25.0
+
+
+def dense_experts(latent, weights, ids, w13, w2):
+    """Every expert on every row, weighted by a dense [T, E] routing matrix (capturable)."""
+    route = torch.zeros(latent.shape[0], w13.shape[0], device=latent.device).scatter_(1, ids.long(), weights)
+    h = torch.matmul(latent, w13.transpose(1, 2))  # [E, T, 2I]
+    y = torch.matmul(situ_and_mul(h, BETA, LINEAR_BETA), w2.transpose(1, 2))  # [E, T, L]
+    return (y.float() * route.t()[:, :, None]).sum(0)
+
+
+def routing(rows: int, experts: int, top_k: int, gen: torch.Generator, device):
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)]).int()
+    weights = torch.rand(rows, top_k, generator=gen)
+    return ids.to(device), (weights / weights.sum(1, keepdim=True)).to(device)
+
+
+def eager_time_us(fn, iters: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> Results:
+    p = argparse.ArgumentParser()
+    p.add_argument("--experts", type=int, nargs="+", default=[112, 896])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--bn", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    L, I, top_k = (64, 32, 4) if args.smoke else (3584, 3072, 16)
+    experts = [8] if args.smoke else args.experts
+    gen = torch.Generator().manual_seed(0)
+    # one allocation of the largest expert count; smaller counts use its first experts
+    E_max = max(experts)
+    w13 = torch.empty(E_max, 2 * I, L, dtype=torch.bfloat16, device=device).normal_(0, L**-0.5)
+    w2 = torch.empty(E_max, L, I, dtype=torch.bfloat16, device=device).normal_(0, I**-0.5)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    dense = torch.compile(dense_experts, dynamic=False)
+    res = Results("moe_experts")
+    for E in experts:
+        for rows in args.rows:
+            ids, weights = routing(rows, E, top_k, gen, device)
+            latent = torch.randn(rows, L, generator=gen).to(device=device, dtype=torch.bfloat16)
+            a = (latent, weights, ids, w13[:E], w2[:E])
+            want = X.reference(*a, BETA, LINEAR_BETA)
+            got = torch.ops.kimi_kernels.expert_ffn(*a, BETA, LINEAR_BETA)
+            err = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
+            if args.smoke:
+                res.add(experts=E, rows=rows, rel_err=err)
+                continue
+            active = int(torch.unique(ids).numel())
+            fl = floor_us(active * expert_bytes + rows * L * (2 + 4))
+            row = dict(experts=E, rows=rows, active_experts=active, floor_us=fl, rel_err=err)
+            for bn in args.bn:
+                t = graph_time_us(lambda i: X.grouped(*a, BETA, LINEAR_BETA, BN=bn), calls=5, replays=5)
+                row[f"ours_bn{bn}_us"] = t
+            best = min(row[f"ours_bn{bn}_us"] for bn in args.bn)
+            row["ours_us"], row["ours_of_ceiling"] = best, fl / best
+            row["stock_loop_eager_us"] = eager_time_us(lambda: X.reference(*a, BETA, LINEAR_BETA))
+            row["inductor_dense_us"] = graph_time_us(lambda i: dense(*a), calls=2, replays=3)
+            row["dense_floor_us"] = floor_us(E * expert_bytes)
+            res.add(**row)
+    if args.json:
+        res.dump(args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""``kimi_kernels::expert_ffn``: the routed experts of the latent MoE on this rank, grouped.
+
+Semantics (the stock ``combine_experts`` loop): for latent x [T, L] bf16, routing
+weights w [T, k] fp32 and local expert ids [T, k] int32 (an id outside [0, E) is an
+expert of another rank, or -1 for a padding row: skipped),
+
+    out[t] = sum_j w[t, j] * bf16(W2_e bf16(SiTU(bf16(W13_e x_t))))      e = ids[t, j]
+
+in fp32 [T, L], with w13 [E, 2 I, L] (gate rows, then up rows) and w2 [E, L, I]. The
+rounding points are stock's: each GEMM's output is bf16 (vLLM's unquantised experts),
+SiTU runs in fp32 and returns bf16, the weighted sum is fp32.
+
+GPU implementation (Triton; decode sizes: T k <= a few thousand (token, expert) pairs,
+E local experts of 6144 x 3584 and 3584 x 3072 at Kimi K3's shapes). Every expert's
+weights are read once per step, whatever its row count, so the kernel is a grouped
+weight-streaming GEMM:
+
+  1. sort the pairs by expert (``torch.argsort``, stable) and count them per expert
+     (scatter-add): capturable in CUDA graphs, no host synchronisation;
+  2. ``_up_kernel``, one program per (expert, BN columns of I): gathers its pairs'
+     latent rows, streams the gate and up slabs of W13_e, applies SiTU, writes h [P, I]
+     in pair order; programs of experts without pairs return at once;
+  3. ``_down_kernel``, one program per (expert, BN columns of L): h rows of the expert
+     times W2_e, rounded to bf16, times the pair's routing weight -> y [P, L] fp32;
+  4. ``_combine_kernel``: out[t] = the sum of its pairs' y rows, in slot order
+     (deterministic; no atomics).
+
+The byte floor is the weights of the experts that got a pair (plus activations). The
+CPU reference is the stock loop; the interpreter (``TRITON_INTERPRET=1``) runs the
+kernels with fp32 dots (its bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+
+import torch
+from torch import Tensor
+
+from kimi_inductor.stock.moe import combine_experts
+
+from .common import INTERPRET, bf16_round, tl, triton
+
+NAMESPACE = "kimi_kernels"
+
+
+def implementation(device: torch.device) -> tuple[str, str]:
+    """(name, reason) of the implementation the op runs on ``device``."""
+    if device.type == "meta":
+        return "chosen at run time", "compiled on the meta device"
+    if triton is None:
+        return "reference", "Triton is not installed"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return "reference", f"SM{major}{minor}: the grouped Triton kernel needs SM80 or newer"
+        why = (" (DeepGEMM MegaMoE would need SM100 and FP8/FP4-transformed expert weights)"
+               if major == 10 else " (DeepGEMM MegaMoE is SM100-only)")
+        return "triton", f"grouped Triton expert kernel on SM{major}{minor}{why}"
+    if INTERPRET:
+        return "triton", "grouped Triton expert kernel under TRITON_INTERPRET=1"
+    return "reference", f"{device.type}: the torch reference (the Triton kernel needs a GPU)"
+
+
+def block_rows(pairs: int, experts: int) -> int:
+    """BM, the rows of one pass over a weight slab: an expert's expected pair count
+    (16 minimum for ``tl.dot``; a hot expert takes several passes, from L2)."""
+    per_expert = triton.cdiv(pairs, max(1, min(experts, pairs)))
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def _up_kernel(x_ptr, stride_x, w13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta, linear_beta,
+                   TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+                   ROUND: tl.constexpr):
+        e = tl.program_id(0)
+        count = tl.load(counts_ptr + e)
+        if count == 0:
+            return
+        start = tl.load(starts_ptr + e)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < I
+        w_base = w13_ptr + e.to(tl.int64) * 2 * I * L
+        for m0 in range(0, count, BM):
+            rm = m0 + tl.arange(0, BM)
+            mmask = rm < count
+            token = tl.load(order_ptr + start + rm, mask=mmask, other=0) // TOP_K
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, L, BK):
+                rk = k0 + tl.arange(0, BK)
+                kmask = rk < L
+                x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + rk[None, :],
+                            mask=mmask[:, None] & kmask[None, :], other=0.0)
+                wmask = kmask[:, None] & nmask[None, :]
+                wg = tl.load(w_base + rn[None, :] * L + rk[:, None], mask=wmask, other=0.0)  # [BK, BN]
+                wu = tl.load(w_base + (I + rn)[None, :] * L + rk[:, None], mask=wmask, other=0.0)
+                if DOT_F32:
+                    acc_g = tl.dot(x.to(tl.float32), wg.to(tl.float32), acc_g, input_precision="ieee")
+                    acc_u = tl.dot(x.to(tl.float32), wu.to(tl.float32), acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(x, wg, acc_g)
+                    acc_u = tl.dot(x, wu, acc_u)
+            gate = bf16_round(acc_g, ROUND)
+            up = bf16_round(acc_u, ROUND)
+            act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+            tl.store(h_ptr + (start + rm)[:, None].to(tl.int64) * I + rn[None, :],
+                     bf16_round(act, ROUND).to(h_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, L, I,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+                     ROUND: tl.constexpr):
+        e = tl.program_id(0)
+        count = tl.load(counts_ptr + e)
+        if count == 0:
+            return
+        start = tl.load(starts_ptr + e)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < L
+        w_base = w2_ptr + e.to(tl.int64) * L * I
+        for m0 in range(0, count, BM):
+            rm = m0 + tl.arange(0, BM)
+            mmask = rm < count
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                rk = k0 + tl.arange(0, BK)
+                kmask = rk < I
+                h = tl.load(h_ptr + (start + rm)[:, None].to(tl.int64) * I + rk[None, :],
+                            mask=mmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_base + rn[None, :] * I + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                if DOT_F32:
+                    acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(h, w, acc)
+            pair = tl.load(order_ptr + start + rm, mask=mmask, other=0)
+            weight = tl.load(weights_ptr + pair, mask=mmask, other=0.0)
+            y = bf16_round(acc, ROUND) * weight[:, None]
+            tl.store(y_ptr + (start + rm)[:, None].to(tl.int64) * L + rn[None, :], y,
+                     mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(y_ptr, position_ptr, out_ptr, L, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        cmask = cols < L
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # slot order: deterministic
+            p = tl.load(position_ptr + t * TOP_K + j)
+            acc += tl.load(y_ptr + tl.maximum(p, 0).to(tl.int64) * L + cols, mask=cmask & (p >= 0), other=0.0)
+        tl.store(out_ptr + t.to(tl.int64) * L + cols, acc, mask=cmask)
+
+
+def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(order, starts, counts, position): the (token, slot) pairs sorted by local expert.
+
+    order [T k] int32: pair indices (t k + j), this rank's pairs first, by expert;
+    starts/counts [E] int32: each expert's range in ``order``; position [T k] int32:
+    where pair t k + j sits in ``order``, -1 when its expert is not local.
+    """
+    flat = topk_ids.reshape(-1)
+    local = (flat >= 0) & (flat < experts)
+    key = torch.where(local, flat, experts).to(torch.int64)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    counts = counts[:experts]
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    position = torch.empty_like(key).scatter_(0, order, torch.arange(key.numel(), device=flat.device))
+    position = torch.where(local, position, -1)
+    return order.to(torch.int32), starts, counts.contiguous(), position.to(torch.int32)
+
+
+def _fake(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta):
+    return latent.new_empty(latent.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::expert_ffn", mutates_args=())
+def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
+               linear_beta: float) -> Tensor:
+    if implementation(latent.device)[0] != "triton" or latent.dtype not in (torch.bfloat16, torch.float32):
+        return reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta)
+    return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta)
+
+
+def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
+            linear_beta: float, BM: int | None = None, BN: int = 32, BK: int = 128, num_stages: int = 3,
+            num_warps: int = 4) -> Tensor:
+    """The Triton implementation; tile sizes as arguments for the benchmark's sweep."""
+    T, top_k = topk_ids.shape
+    E, two_i, L = w13.shape
+    I = two_i // 2
+    assert latent.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+    order, starts, counts, position = group_pairs(topk_ids, E)
+    pairs = T * top_k
+    h = latent.new_empty(pairs, I)
+    y = torch.empty(pairs, L, dtype=torch.float32, device=latent.device)
+    out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
+    tiles = dict(BM=BM or block_rows(pairs, E), BN=BN, BK=BK)
+    flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
+                 ROUND=latent.dtype == torch.bfloat16, num_warps=num_warps, num_stages=num_stages)
+    _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, order, starts, counts, h, L, I, beta,
+                                        linear_beta, TOP_K=top_k, **tiles, **flags)
+    _down_kernel[(E, triton.cdiv(L, BN))](h, w2, topk_weights.contiguous().view(-1), order, starts, counts, y, L,
+                                          I, **tiles, **flags)
+    block = 512
+    _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block)
+    return out
+
+
+expert_ffn.register_fake(_fake)
+
+
+def reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta) -> Tensor:
+    """The stock expert loop over the local experts (fp32 sum in expert order)."""
+    return combine_experts(latent, topk_weights, topk_ids, w13, w2, 0, beta, linear_beta)

@@ -1,0 +1,98 @@
+"""mega_moe: route each MoE layer's experts through our grouped expert kernels.
+
+Matches and produces (c = this rank's rows, G = group size):
+
+    before                                             after
+    kimi.ep_experts(latent, w, ids, is_padding,        pad = unsqueeze(is_padding, 1)
+                    w13, w2, first, group, cap, ...)   kimi_kernels.mega_moe(latent,
+                                                           where(pad, 0, w),
+                                                           where(pad, -1, ids),
+                                                           w13, w2, first, group, cap, ...)
+    kimi.fused_experts(latent, w, ids, w13, w2, ...)   bf16(kimi_kernels.expert_ffn(latent, w,
+                                                           ids, w13, w2, ...))
+
+``ep_experts`` is the SP / hybrid MoE (experts partitioned over the group, MegaMoE's
+contract): it becomes one ``mega_moe`` op (dispatch, grouped experts, combine) whose
+padding rows carry expert id -1 and weight 0, so no rank computes them. A layer with
+TP-sharded experts (``fused_experts``: the TP layout, or one rank) keeps its layout and
+runs the same grouped kernel without an exchange. Router, latent down-projection,
+post-combine norm, up-projection and shared experts stay as stock computes them. The
+report names, per MoE layer, the op and the implementation it runs on this device
+(``expert_ffn.implementation``).
+
+Invariants. Relies on: ``meta["val"]`` of the matched calls. Establishes: the same
+values (the ops' CPU references are stock's loop: on CPU the routed graph equals the
+stock graph up to the fp32 order of the cross-rank sum); no new mutation; row layouts
+unchanged.
+
+Order: after hybrid_attention (it routes the hybrid graph's shard MoEs), before
+lower_kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from kimi_inductor.kernels import expert_ffn
+
+from .graph import calls, refresh_meta
+from .report import PassInfo
+
+aten, prims = torch.ops.aten, torch.ops.prims
+kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
+
+
+class MegaMoE:
+    name = "mega_moe"
+
+    def __call__(self, gm: fx.GraphModule, ctx) -> PassInfo:
+        info = PassInfo(self.name)
+        g = gm.graph
+        routed: dict[fx.Node, str] = {}
+        for call in calls(g, [kimi.ep_experts.default, kimi.fused_experts.default]):
+            info.matched += 1
+            arg = call.arg
+            node = call.node
+            impl, why = expert_ffn.implementation(arg("latent").meta["val"].device)
+            common = (arg("w13"), arg("w2"))
+            act = (arg("beta"), arg("linear_beta"))
+            with g.inserting_before(node):
+                if call.op is kimi.ep_experts.default:
+                    pad = g.call_function(aten.unsqueeze.default, (arg("is_padding"), 1))
+                    weights = _fill_rows(g, arg("topk_weights"), pad, 0.0)
+                    ids = _fill_rows(g, arg("topk_ids"), pad, -1)
+                    new = op = g.call_function(kk.mega_moe.default, (
+                        arg("latent"), weights, ids, *common, arg("first_expert"), arg("group_name"),
+                        arg("max_num_tokens"), *act))
+                    what = "mega_moe: EP exchange (all-gather dispatch, reduce-scatter combine), padding rows not routed"
+                else:
+                    op = g.call_function(kk.expert_ffn.default, (
+                        arg("latent"), arg("topk_weights"), arg("topk_ids"), *common, *act))
+                    new = g.call_function(prims.convert_element_type.default, (op, node.meta["val"].dtype))
+                    what = "expert_ffn: TP-sharded experts, no exchange"
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            routed[op] = f"{what}; {impl}: {why}"
+            info.rewritten += 1
+        gm.recompile()
+        refresh_meta(gm)
+        _annotate(ctx, routed)
+        return info
+
+
+def _fill_rows(g: fx.Graph, x: fx.Node, mask: fx.Node, value) -> fx.Node:
+    """``where(mask, value, x)`` as post-grad graphs spell ``masked_fill``."""
+    val = x.meta["val"]
+    fill = g.call_function(aten.full.default, ([], value),
+                           dict(dtype=val.dtype, layout=torch.strided, device=val.device, pin_memory=False))
+    return g.call_function(aten.where.self, (mask, fill, x))
+
+
+def _annotate(ctx, routed: dict[fx.Node, str]) -> None:
+    dg = ctx.decoder()
+    if len(dg.layers) != len(ctx.report.layers):
+        return
+    for layer, row in zip(dg.layers, ctx.report.layers):
+        if layer.moe is not None:
+            row.notes["moe"] = routed.get(layer.moe.node, "stock")
