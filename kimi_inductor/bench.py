@@ -2,7 +2,8 @@
 with a progress bar, write their JSON into one folder and plot the layer steps.
 
 Needs a checkout (the benchmarks live beside the package) and a CUDA GPU; ``--smoke``
-runs the KDA layer benchmark's CPU smoke mode instead (no timings).
+runs the KDA layer benchmark's CPU smoke mode instead (no timings). The two-GPU
+expert-parallel benchmark runs only when two GPUs are visible.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ SUITE = {  # name: (script, arguments)
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),
     "gemm": ("gemm.py", []),
+    "moe_experts": ("moe_experts.py", []),
+    "moe_layer": ("moe_layer.py", []),
+    "mega_moe_ep2": ("mega_moe.py", ["--gpus", "2"]),  # only with two GPUs visible
 }
 
 
@@ -28,6 +32,11 @@ def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> d
     out.mkdir(parents=True, exist_ok=True)
     suite = {"kda_layer_smoke": ("kda_layer.py", ["--smoke", "--rows", "1", "--q", "1"])} if smoke else SUITE
     names = [n for n in suite if only is None or n in only]
+    if not smoke:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            names = [n for n in names if n != "mega_moe_ep2"]
     try:
         from tqdm import tqdm
     except ImportError:  # a plain loop without the bar

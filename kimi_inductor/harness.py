@@ -34,6 +34,7 @@ class DecodeRun:
     backend: str | None = None  # None: eager stock; else a torch.compile backend name
     options: dict[str, Any] = field(default_factory=dict)
     dtype: str = "bfloat16"  # or "float32" (exact-equivalence checks)
+    device: str = "cpu"  # "cuda": this rank's GPU (launch.run_ranks(..., backend="nccl"))
     layer_timings: bool = False
 
 
@@ -41,22 +42,27 @@ def decode(run: DecodeRun) -> dict[str, Any]:
     group = dist.group.WORLD if dist.is_initialized() else None
     par = Parallel(run.layout, group, run.max_num_tokens)
     config = KimiK3Config.preset(run.preset)
-    model = build_model(config, random_checkpoint(config, run.seed, run.experts), par,
+    device = torch.device(run.device, torch.cuda.current_device()) if run.device == "cuda" else run.device
+    model = build_model(config, random_checkpoint(config, run.seed, run.experts), par, device=device,
                         dtype=getattr(torch, run.dtype))
     batch = DecodeBatch(run.requests, run.q, run.padding, config.vocab_size, seed=run.seed + 1)
-    caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q)
+    caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q, device=device)
     timings = _time_layers(model) if run.layer_timings else None
     step_fn = model
+    if run.backend == "kimi_specialized":
+        from . import register
+
+        register()  # a source checkout has no entry point
     if run.backend is not None:
         step_fn = torch.compile(model, backend=run.backend, options=run.options or None, dynamic=False)
     outputs, seconds = [], []
     with torch.no_grad():
         for _ in range(run.steps):
-            step = batch.step()
+            step = batch.step().to(device)
             start = time.perf_counter()
             out = step_fn(step, caches)
             seconds.append(time.perf_counter() - start)
-            outputs.append(out[batch.real_rows()].float())
+            outputs.append(out[batch.real_rows().to(device)].float().cpu())
             batch.accept()
     result = {"outputs": torch.stack(outputs), "seconds": seconds, "rows": batch.rows,
               "layers": describe(model)}

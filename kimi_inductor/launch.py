@@ -1,4 +1,5 @@
-"""Run a function on G CPU ranks (gloo, spawned processes) and collect the results."""
+"""Run a function on G ranks (spawned processes: gloo on CPU, or NCCL with one GPU per
+rank) and collect the results."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    extra = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
     try:
         result: Any = ("ok", fn(*args))
     except BaseException as exc:  # reported by the parent with the rank's traceback
@@ -33,14 +38,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
-    """``fn(*args)`` on each of ``world`` gloo ranks; returns every rank's result.
+def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """``fn(*args)`` on each of ``world`` ranks; returns every rank's result.
 
-    ``fn`` runs with the default process group initialised (``dist.group.WORLD``).
+    ``fn`` runs with the default process group initialised (``dist.group.WORLD``); with
+    ``backend="nccl"`` rank r owns GPU r (``torch.cuda.current_device()``).
     An exception on any rank is re-raised here as ``RuntimeError`` with its traceback.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
+        mp.start_processes(_worker, args=(world, _free_port(), out_dir, backend, fn, args), nprocs=world,
                            start_method="spawn", join=True)
         results = [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world)]
     errors = [r[1] for r in results if r[0] == "error"]

@@ -1,0 +1,109 @@
+"""One Kimi K3 MoE layer decode step on one H200 (EP 1: all 896 experts here, bf16):
+router (fp32 logits, sigmoid top-16), latent down-projection, routed experts, RMSNorm,
+up-projection, shared experts, inside CUDA graphs:
+
+* kimi_specialized: the ``mega_moe`` pass (grouped Triton experts, ``expert_ffn``) and
+  ``lower_kernels``, compiled by Inductor;
+* stock, Inductor + graph: the stock layer compiled by Inductor with its experts in
+  their capturable form (``moe_experts.dense_experts``: the stock expert loop has
+  data-dependent shapes and cannot be captured);
+* floor: every non-expert weight, the weights of the experts the router picked, and
+  the activations, at 4.28 TB/s.
+
+    python benchmarks/moe_layer.py --rows 1 8 32 64 --json moe_layer.json
+    python benchmarks/moe_layer.py --smoke      # CPU, the tiny preset: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.func import functional_call
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, floor_us, graph_time_us  # noqa: E402
+from moe_experts import dense_experts  # noqa: E402
+
+from kimi_inductor.backend import KimiSpecialized  # noqa: E402
+from kimi_inductor.baseline import stock_inductor  # noqa: E402
+from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
+from kimi_inductor.stock.moe import KimiMoE, router_logits, select_experts  # noqa: E402
+
+
+def _dense_fused(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta):
+    return dense_experts(latent, topk_weights, topk_ids, w13, w2).to(latent.dtype)
+
+
+def stock_dense_inductor(gm, example_inputs, **kwargs):
+    """``stock_inductor`` with the routed experts in their capturable dense form."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.kimi.fused_experts,
+                                                          torch.ops.kimi.fused_experts.default):
+            node.target = _dense_fused
+    gm.recompile()
+    return stock_inductor(gm, example_inputs)
+
+
+def random_params(layer: KimiMoE, device) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in layer.named_parameters():
+        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name.endswith("e_score_correction_bias"):
+            t.normal_(0, 0.01)
+        else:
+            t.normal_(0, p.shape[-1] ** -0.5)
+        out[name] = t
+    return out
+
+
+def main(argv=None) -> Results:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--smoke", action="store_true", help="CPU, the tiny preset, no timing")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    config = KimiK3Config.preset("tiny" if args.smoke else "kimi-k3")
+    layer = KimiMoE(config, Parallel(), device="meta")
+    params = random_params(layer, device)
+    nbytes = {n: t.numel() * t.element_size() for n, t in params.items()}
+    experts = params["experts.w13_weight"].shape[0]
+    expert_bytes = (nbytes["experts.w13_weight"] + nbytes["experts.w2_weight"]) / experts
+    other_bytes = sum(v for n, v in nbytes.items() if not n.startswith("experts."))
+
+    def step(params, x, is_padding):
+        return functional_call(layer, params, (x, is_padding))
+
+    res = Results("moe_layer")
+    gen = torch.Generator().manual_seed(0)
+    for rows in args.rows:
+        torch._dynamo.reset()
+        x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
+        pad = torch.zeros(rows, dtype=torch.bool, device=device)
+        stock = torch.compile(step, backend=stock_dense_inductor, dynamic=False)
+        kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]}), dynamic=False)
+        want, got = stock(params, x, pad).float(), kimi(params, x, pad).float()
+        err = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
+        _, ids = select_experts(router_logits(x, params["gate.weight"]), params["gate.e_score_correction_bias"],
+                                config.num_experts_per_token, True, 1.0)
+        active = int(torch.unique(ids).numel())
+        if args.smoke:
+            res.add(rows=rows, active_experts=active, rel_err=err)
+            continue
+        fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
+        t_stock = graph_time_us(lambda i: stock(params, x, pad), calls=3, replays=3)
+        t_kimi = graph_time_us(lambda i: kimi(params, x, pad), calls=5, replays=5)
+        res.add(rows=rows, active_experts=active, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
+                kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
+    if args.json:
+        res.dump(args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()
