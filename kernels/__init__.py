@@ -2,6 +2,6 @@
 semantics (its CPU reference), its Triton / CuTe DSL implementations and one dispatch
 rule, all in the op's file."""
 
-from . import expert_ffn, kda_decode, mega_moe, skinny_gemm
+from . import expert_ffn, kda_decode, mega_moe, mla_decode, skinny_gemm
 
-__all__ = ["expert_ffn", "kda_decode", "mega_moe", "skinny_gemm"]
+__all__ = ["expert_ffn", "kda_decode", "mega_moe", "mla_decode", "skinny_gemm"]

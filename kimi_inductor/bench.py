@@ -17,6 +17,7 @@ SUITE = {  # name: (script, arguments)
     "kda_layer_q1": ("kda_layer.py", ["--rows", "1", "8", "32", "64", "--q", "1"]),
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),
+    "mla_layer": ("mla_layer.py", []),
     "gemm": ("gemm.py", []),
     "moe_experts": ("moe_experts.py", []),
     "moe_layer": ("moe_layer.py", []),

@@ -9,6 +9,7 @@ Matches and produces (M = rows, at most 64):
     mm.dtype(x, permute(W), f32)         (router)   kimi_kernels.skinny_mm(x, W, None, f32)
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
+    kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
 
 Each replacement computes the same function (the kernels' CPU references are the
 replaced ops; on CPU the lowered graph is bitwise the unlowered one). A GEMM with
@@ -16,8 +17,9 @@ more than 64 rows, an unsupported dtype or shape, or a KDA layer the fused kerne
 not cover stays as it was, and the report says why.
 
 Invariants. Relies on: ``meta["val"]`` of the matched nodes. Establishes: the same
-values and mutations (``auto_functionalized_v2`` around ``kimi.kda_decode`` becomes one
-around ``kimi_kernels.kda_decode`` with the same bases); row layouts unchanged.
+values and mutations (``auto_functionalized_v2`` around ``kimi.kda_decode`` /
+``kimi.mla_decode`` becomes one around the ``kimi_kernels`` op with the same bases); row
+layouts unchanged.
 
 Order: after hybrid_attention (so that replicated and sharded rows are final).
 """
@@ -31,6 +33,7 @@ from torch import fx
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 
 from kimi_inductor.kernels import kda_decode as kda_kernel
+from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
 from .decoder import DecoderGraph
@@ -102,6 +105,17 @@ class LowerKernels:
                 continue
             per_node[_fuse_kda(g, call, f_a=gemm[0], f_b=gemm[1])] = "kda"
             info.rewritten += 1
+        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op is torch.ops.kimi.mla_decode.default]:
+            info.matched += 1
+            ql = call.arg("ql_nope").meta["val"]
+            why = mla_kernel.supported(ql.shape[-1], call.arg("q_pe").meta["val"].shape[-1], ql.dtype)
+            if call.node.target is not auto_functionalized_v2:
+                why = why or "not an auto_functionalized_v2 call"
+            if why:
+                kept[f"MLA core: {why}"] += 1
+                continue
+            per_node[_swap(g, call, torch.ops.kimi_kernels.mla_decode.default, dict(call.node.kwargs))] = "mla"
+            info.rewritten += 1
         for node in list(g.nodes):
             gemm = match_gemm(node)
             if gemm is None:
@@ -134,8 +148,13 @@ class LowerKernels:
 def _fuse_kda(g: fx.Graph, call: OpCall, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
     kwargs = {k: v for k, v in call.node.kwargs.items() if k != "g1"}
     kwargs.update(f_a=f_a, f_b_weight=f_b)
+    return _swap(g, call, torch.ops.kimi_kernels.kda_decode.default, kwargs)
+
+
+def _swap(g: fx.Graph, call: OpCall, op, kwargs: dict) -> fx.Node:
+    """The wrapped call of ``op`` with ``kwargs`` (same mutated bases) in place of ``call``."""
     with g.inserting_before(call.node):
-        fused = g.call_function(auto_functionalized_v2, (torch.ops.kimi_kernels.kda_decode.default,), kwargs)
+        fused = g.call_function(auto_functionalized_v2, (op,), kwargs)
     fused.meta.update({k: v for k, v in call.node.meta.items() if k != "eager_input_vals"})
     call.node.replace_all_uses_with(fused)
     g.erase_node(call.node)
@@ -161,5 +180,6 @@ def _region(src, dst):
 
 def _summary(nodes, per_node) -> str:
     c = Counter(per_node[n] for n in nodes)
-    parts = ([f"fused KDA x{c['kda']}"] if c["kda"] else []) + ([f"skinny GEMM x{c['gemm']}"] if c["gemm"] else [])
+    parts = ([f"fused KDA x{c['kda']}"] if c["kda"] else []) + ([f"MLA core x{c['mla']}"] if c["mla"] else []) \
+        + ([f"skinny GEMM x{c['gemm']}"] if c["gemm"] else [])
     return ", ".join(parts) or "stock"

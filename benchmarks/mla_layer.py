@@ -1,0 +1,99 @@
+"""One MLA layer decode step at TP8 per-rank shapes (12 of 96 heads, hidden 7168, latent
+512 + rope 64, a paged cache of 64-token blocks, every request at ``--context`` tokens):
+fused_qkv_a_g -> norms -> q_b -> absorption -> MLA core (cache write + attention) ->
+v up-projection -> output gate -> o_proj partial (no AttnRes, no all-reduce).
+kimi_specialized (``lower_kernels``: the split-KV Triton core) vs stock compiled by
+Inductor (through the stock math) vs the byte floor (weights, the cache rows read,
+activations), inside CUDA graphs.
+
+    python benchmarks/mla_layer.py --rows 1 8 32 64 --q 1 4 --context 4096 --json mla.json
+    python benchmarks/mla_layer.py --smoke      # CPU, tiny shapes: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.func import functional_call
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, floor_us, graph_time_us  # noqa: E402
+
+from kimi_inductor.backend import KimiSpecialized  # noqa: E402
+from kimi_inductor.baseline import stock_inductor  # noqa: E402
+from kimi_inductor.stock import DecodeStep, KimiK3Config, Parallel  # noqa: E402
+from kimi_inductor.stock.mla import MultiHeadLatentAttention  # noqa: E402
+
+
+def main(argv=None) -> Results:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--q", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--copies", type=int, default=4)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    base = KimiK3Config.preset("tiny" if args.smoke else "kimi-k3")
+    config = base.replace(num_attention_heads=base.num_attention_heads // (1 if args.smoke else 8))
+    layer = MultiHeadLatentAttention(config, Parallel(), device="meta")
+    block, context = (4, 16) if args.smoke else (64, args.context)
+    gen = torch.Generator().manual_seed(0)
+
+    def params():
+        out = {}
+        for name, p in layer.named_parameters():
+            t = torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1)
+            out[name] = (t + 1 if name.endswith("layernorm.weight") else t).to(device=device, dtype=p.dtype)
+        return out
+
+    copies = [params() for _ in range(1 if args.smoke else args.copies)]
+    weight_bytes = sum(t.numel() * t.element_size() for t in copies[0].values())
+
+    def step(params, x, slots, table, seq_lens, cache):
+        s = DecodeStep(input_ids=seq_lens, state_slots=table, num_accepted=seq_lens, slot_mapping=slots,
+                       block_table=table, seq_lens=seq_lens, is_padding=seq_lens)
+        return functional_call(layer, params, (x, s, (cache,)))
+
+    res = Results("mla_layer")
+    for q in args.q:
+        for rows in args.rows:
+            if rows % q:
+                continue
+            R, per_req = rows // q, -(-context // block)
+            torch._dynamo.reset()
+            x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
+            table = (1 + torch.arange(R * per_req, dtype=torch.int32).view(R, per_req)).to(device)
+            seq_lens = torch.full((R,), context, dtype=torch.int32, device=device)
+            pos = torch.arange(context - q, context, device=device)
+            slots = (table.long().gather(1, (pos // block).expand(R, q)) * block + pos % block).view(-1)
+            caches = [torch.randn(1 + R * per_req, block, config.latent_row, generator=gen).to(
+                device=device, dtype=torch.bfloat16) for _ in range(1 if args.smoke else args.copies)]
+            stock = torch.compile(step, backend=stock_inductor, dynamic=False)
+            kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"}),
+                                 dynamic=False)
+            c1, c2 = caches[0].clone(), caches[0].clone()
+            want = stock(copies[0], x, slots, table, seq_lens, c1).float()
+            got = kimi(copies[0], x, slots, table, seq_lens, c2).float()
+            err = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+            if args.smoke:
+                res.add(q=q, rows=rows, rel_err=err, cache_equal=bool(torch.equal(c1, c2)))
+                continue
+            n = len(copies)
+            t_stock = graph_time_us(lambda i: stock(copies[i % n], x, slots, table, seq_lens, caches[i % n]))
+            t_kimi = graph_time_us(lambda i: kimi(copies[i % n], x, slots, table, seq_lens, caches[i % n]))
+            cache_bytes = R * context * config.latent_row * 2
+            fl = floor_us(weight_bytes + cache_bytes + 2 * rows * config.hidden_size * 2)
+            res.add(q=q, rows=rows, context=context, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
+                    kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
+    if args.json:
+        res.dump(args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""kimi_kernels::mla_decode (split-KV Triton) against stock's kimi::mla_decode.
+
+Tolerance: the kernel rounds the softmax probabilities to bf16 for the P V dot (as
+vLLM's Triton MLA does; stock's reference keeps them fp32) and sums in other orders:
+bf16 outputs agree within 2^-6 of each row's largest value (about two bf16 roundings);
+fp32 activations (fp32 dots, no rounding) within 1e-5. Cache writes are identical.
+"""
+
+import pytest
+import torch
+
+import kimi_inductor.kernels  # noqa: F401
+from kimi_inductor.kernels import mla_decode as M
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (heads, latent L, rope R, block size, blocks per request): K3 at TP8 on the GPU
+SHAPES = [(12, 512, 64, 64, 64)] if DEVICE == "cuda" else [(4, 32, 8, 4, 12)]
+
+
+def _case(R, q, N, L, RD, block, per_req, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    capacity = per_req * block
+    seq = torch.randint(q, capacity + 1, (R,), generator=g).int()
+    seq[-1] = 0  # a padding request
+    table = (1 + torch.arange(R * per_req)).view(R, per_req).int()
+    table = table[:, torch.randperm(per_req, generator=g)]  # blocks out of order
+    cache = torch.randn(1 + R * per_req, block, L + RD, generator=g).to(dtype)
+    pos = (seq.long()[:, None] - q + torch.arange(q)).clamp(min=0)
+    slots = table.long().gather(1, pos // block) * block + pos % block
+    slots[-1] = -1
+    T = R * q
+    args = [torch.randn(T, N, L, generator=g).to(dtype) * 0.3, torch.randn(T, N, RD, generator=g).to(dtype) * 0.3,
+            torch.randn(T, L, generator=g).to(dtype), torch.randn(T, RD, generator=g).to(dtype), cache,
+            slots.view(-1), table, seq]
+    return [a.to(DEVICE) for a in args], (L + RD) ** -0.5
+
+
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
+@pytest.mark.parametrize("R, q", [(1, 1), (3, 1), (2, 4), (5, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_stock(R, q, N, L, RD, block, per_req, dtype):
+    args, scale = _case(R, q, N, L, RD, block, per_req, dtype, seed=R * 10 + q)
+    mine = [a.clone() for a in args]
+    want = M.reference(*args, scale)
+    got = torch.ops.kimi_kernels.mla_decode(*mine, scale)
+    assert torch.equal(mine[4], args[4])  # the cache writes
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert not got[-q:].any()  # padding request
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    bound = tol * want.float().abs().amax(-1, keepdim=True) + 1e-6
+    assert ((got.float() - want.float()).abs() <= bound).all(), (got.float() - want.float()).abs().max()
+
+
+def test_splits_use_static_sizes_only():
+    assert M.splits(1, 1, 64 * 1024) == 64 and M.splits(64, 2, 4096) == 3 and M.splits(1, 1, 16) == 1
