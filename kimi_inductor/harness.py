@@ -31,6 +31,7 @@ class DecodeRun:
     seed: int = 0
     experts: str = "bf16"
     max_num_tokens: int = 8192
+    dcp: int = 1  # decode context parallel size: 1 or the number of ranks
     backend: str | None = None  # None: eager stock; else a torch.compile backend name
     options: dict[str, Any] = field(default_factory=dict)
     dtype: str = "bfloat16"  # or "float32" (exact-equivalence checks)
@@ -40,7 +41,7 @@ class DecodeRun:
 
 def decode(run: DecodeRun) -> dict[str, Any]:
     group = dist.group.WORLD if dist.is_initialized() else None
-    par = Parallel(run.layout, group, run.max_num_tokens)
+    par = Parallel(run.layout, group, run.max_num_tokens, run.dcp)
     config = KimiK3Config.preset(run.preset)
     device = torch.device(run.device, torch.cuda.current_device()) if run.device == "cuda" else run.device
     model = build_model(config, random_checkpoint(config, run.seed, run.experts), par, device=device,

@@ -36,7 +36,9 @@ aten = torch.ops.aten
 
 ATTENTION_CORES = {kimi.kda_decode.default: "kda", kimi.mla_decode.default: "mla",
                    kimi.dsa_decode.default: "dsa", torch.ops.kimi_kernels.kda_decode.default: "kda",
-                   torch.ops.kimi_kernels.mla_decode.default: "mla"}
+                   torch.ops.kimi_kernels.mla_decode.default: "mla",
+                   kimi.mla_decode_dcp.default: "mla"}  # DCP: "dsa" when it takes the indexer's selection
+DCP_CORES = {kimi.mla_decode_dcp.default}
 ROUTED_EXPERTS = {kimi.fused_experts.default, kimi.ep_experts.default,
                   torch.ops.kimi_kernels.mega_moe.default, torch.ops.kimi_kernels.expert_ffn.default}
 ALLOCATIONS = {aten.empty.memory_format, aten.new_empty.default, aten.full.default, aten.zeros.default}
@@ -73,6 +75,11 @@ class Layer:
     @property
     def mlp(self) -> str:
         return "moe" if self.moe is not None else "dense"
+
+    @property
+    def dcp(self) -> int:
+        """Decode context parallel size of the attention (1 without DCP)."""
+        return self.core.arg("dcp_size") if self.core.op in DCP_CORES else 1
 
 
 @dataclass
@@ -157,8 +164,11 @@ class DecoderGraph:
             region = _between(mlp_in, mlp_out)
             moe = next((c for n in region if (c := OpCall.of(n)) is not None and c.op in ROUTED_EXPERTS), None)
             pre_out = pre.output(0)
+            kind = ATTENTION_CORES[core.op]
+            if core.op in DCP_CORES and core.arg("selected") is not None:
+                kind = "dsa"
             out.layers.append(Layer(
-                index=i, kind=ATTENTION_CORES[core.op], core=core, pre=pre, post=post, next_res=nxt,
+                index=i, kind=kind, core=core, pre=pre, post=post, next_res=nxt,
                 attn_out=attn_out, mlp_in=mlp_in, mlp_out=mlp_out, mlp_nodes=region, moe=moe,
                 gather=gathers.get(pre_out), scatter=scatters.get(attn_out), reduce=reduces.get(attn_out)))
         out.final = res[-1]

@@ -79,7 +79,7 @@ class KimiPasses(CustomGraphPass):
         report.rows = dg.rows if isinstance(dg.rows, int) or dg.rows is None else str(dg.rows)
         report.group_size = dg.group_size
         report.reason = "; ".join(dg.problems)
-        report.layers = [LayerReport(l.index, l.kind, l.mlp) for l in dg.layers]
+        report.layers = [LayerReport(l.index, l.kind, l.mlp, notes=_dcp_note(l)) for l in dg.layers]
         ctx = PassContext(gm, options, report)
         for name in options.passes:
             self._observe(f"before {name}", gm)
@@ -98,6 +98,13 @@ class KimiPasses(CustomGraphPass):
                    Path(kimi_inductor.kernels.__file__).parent)
         files = [f for folder in folders for f in sorted(folder.glob("*.py"))]
         return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json())
+
+
+def _dcp_note(layer) -> dict[str, str]:
+    if layer.dcp == 1:
+        return {}
+    return {"dcp": f"DCP {layer.dcp}: latent cache interleaved over the ranks (position p on rank p % "
+                   f"{layer.dcp}), query-head all-gather, LSE combine + reduce-scatter over heads"}
 
 
 def _readable(gm: fx.GraphModule) -> str:

@@ -19,21 +19,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import dcp
 from .config import KimiK3Config
 from .layers import Linear
 from .library import stock_op
 from .mla import MultiHeadLatentAttention, causal_mask, gather_context, latent_attention, write_cache
-from .parallel import Parallel
+from .parallel import Parallel, all_gather
 from .state import DecodeStep, LayerCache
 
 
-def index_topk_mask(index_q: Tensor, index_w: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
-    """index_q [R, q, n, d], index_w [R, q, n], keys [R, W, d], visible [R, q, W] -> selected."""
+def index_scores(index_q: Tensor, index_w: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
+    """index_q [R, q, n, d], index_w [R, q, n], keys [R, W, d], visible [R, q, W] -> I
+    [R, q, W] fp32, -inf where not visible."""
     logits = torch.einsum("rqnd,rwd->rqnw", index_q.float(), keys.float()).relu()
-    scores = (logits * index_w.float().unsqueeze(-1)).sum(2).masked_fill(~visible, float("-inf"))
+    return (logits * index_w.float().unsqueeze(-1)).sum(2).masked_fill(~visible, float("-inf"))
+
+
+def topk_mask(scores: Tensor, topk: int) -> Tensor:
+    """The ``topk`` best visible positions of each row of ``scores`` [..., W] in position
+    order (all when fewer); ties go to the earlier position, so that every layout of
+    the cache (DCP included) selects the same positions (the random test model's
+    indexer ReLU makes ties common)."""
     k = min(topk, scores.shape[-1])
-    chosen = torch.zeros_like(visible).scatter_(-1, scores.topk(k, dim=-1).indices, True)
-    return chosen & visible
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True)
+    return chosen & (scores > float("-inf"))
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, index_cache,
@@ -65,11 +75,44 @@ def dsa_decode(
     q = T // R
     context = gather_context(kv_cache, block_table)
     visible = causal_mask(seq_lens, q, context.shape[1])
-    selected = index_topk_mask(
+    selected = topk_mask(index_scores(
         index_q.view(R, q, *index_q.shape[1:]), index_w.view(R, q, -1),
-        gather_context(index_cache, block_table), visible, topk)
+        gather_context(index_cache, block_table), visible), topk)
     query = torch.cat([ql_nope, q_pe], dim=-1).view(R, q, N, -1)
     return latent_attention(query, context, selected, L, scale).reshape(T, N, L).to(ql_nope.dtype)
+
+
+def select_topk_dcp(scores: Tensor, topk: int, block_local: int, par: Parallel) -> Tensor:
+    """Every rank's indexer scores [T, W_local] (all-gathered, put in position order) ->
+    this rank's share of the ``topk`` best positions over all ranks: the same choice on
+    every rank, and the one ``topk_mask`` makes without DCP."""
+    T, W = scores.shape
+    G = par.size
+    every = all_gather(scores.contiguous(), par).view(G, T, W).transpose(0, 1).reshape(T, G * W)
+    positions = torch.cat([dcp.context_positions(W, block_local, g, G, scores.device) for g in range(G)])
+    chosen = topk_mask(every[:, torch.argsort(positions)], topk)[:, positions]
+    return chosen.view(T, G, W)[:, par.rank]
+
+
+def _index_dcp_fake(index_q, index_k, index_w, index_cache, slot_mapping, block_table, seq_lens, dcp_rank,
+                    dcp_size):
+    width = block_table.shape[1] * index_cache.shape[1]
+    return index_q.new_empty(index_q.shape[0], width, dtype=torch.float32)
+
+
+@stock_op("dsa_index_dcp", mutates_args=("index_cache",), fake=_index_dcp_fake)
+def dsa_index_dcp(index_q: Tensor, index_k: Tensor, index_w: Tensor, index_cache: Tensor, slot_mapping: Tensor,
+                  block_table: Tensor, seq_lens: Tensor, dcp_rank: int, dcp_size: int) -> Tensor:
+    """DCP: write the indexer keys this rank owns, score this rank's positions -> [T, W_local]."""
+    block = index_cache.shape[1]
+    write_cache(index_cache, dcp.local_slots(slot_mapping, block, dcp_rank, dcp_size), index_k)
+    R = block_table.shape[0]
+    q = index_q.shape[0] // R
+    keys = gather_context(index_cache, block_table)
+    visible = dcp.causal_mask_at(dcp.context_positions(keys.shape[1], block, dcp_rank, dcp_size, keys.device),
+                                 seq_lens, q)
+    scores = index_scores(index_q.view(R, q, *index_q.shape[1:]), index_w.view(R, q, -1), keys, visible)
+    return scores.reshape(index_q.shape[0], -1)
 
 
 class Indexer(nn.Module):
@@ -104,6 +147,11 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         q_c, ql_nope, q_pe, kv_c, k_pe, gate = self.project(x)
         index_q, index_k, index_w = self.indexer(x, q_c)
         kv_cache, index_cache = cache
+        if self.par.dcp > 1:
+            scores = torch.ops.kimi.dsa_index_dcp(index_q, index_k, index_w, index_cache, step.slot_mapping,
+                                                  step.block_table, step.seq_lens, self.par.rank, self.par.size)
+            selected = select_topk_dcp(scores, self.indexer.topk, index_cache.shape[1], self.par)
+            return self.output(self.dcp_attention(ql_nope, q_pe, kv_c, k_pe, kv_cache, step, selected), gate)
         latent = torch.ops.kimi.dsa_decode(
             ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, index_cache,
             step.slot_mapping, step.block_table, step.seq_lens, self.indexer.topk, self.scale)

@@ -17,13 +17,22 @@ r (position seq_len - q + j) it scores every cached position s <= that position:
 ``([ql | q_pe] . cache[s]) qk^-1/2``, softmax in fp32, and returns
 ``sum_s p_s cache[s][:L]`` in bf16. Requests with ``seq_len == 0`` are padding:
 zero output. Tokens with ``slot_mapping < 0`` are not written.
+
+With decode context parallelism (``Parallel.dcp = G``, ``dcp.py``) the cache is
+sharded by position over the ranks: the layer all-gathers the query heads, calls
+``kimi::mla_decode_dcp`` (cache write of the positions this rank owns, attention of
+all G N heads over its positions -> partial output and log-sum-exp) and combines the
+partials (LSE all-gather, reduce-scatter over heads).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor, nn
 
+from . import dcp
 from .config import KimiK3Config
 from .layers import Linear, RMSNorm
 from .library import stock_op
@@ -54,12 +63,15 @@ def causal_mask(seq_lens: Tensor, q: int, width: int) -> Tensor:
     return pos[None, None, :] <= last[:, :, None]
 
 
-def latent_attention(query: Tensor, context: Tensor, mask: Tensor, latent: int, scale: float) -> Tensor:
-    """query [R, q, N, L+R], context [R, W, L+R], mask [R, q, W] -> [R, q, N, L]."""
+def latent_attention(query: Tensor, context: Tensor, mask: Tensor, latent: int, scale: float,
+                     with_lse: bool = False):
+    """query [R, q, N, L+R], context [R, W, L+R], mask [R, q, W] -> [R, q, N, L] fp32
+    (and the log-sum-exp of the scores [R, q, N], -inf where nothing is visible)."""
     scores = torch.einsum("rqnd,rwd->rqnw", query.float(), context.float()) * scale
     scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: padding
-    return torch.einsum("rqnw,rwd->rqnd", probs, context[..., :latent].float())
+    out = torch.einsum("rqnw,rwd->rqnd", probs, context[..., :latent].float())
+    return (out, torch.logsumexp(scores, dim=-1)) if with_lse else out
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):
@@ -85,6 +97,45 @@ def mla_decode(
     context = gather_context(kv_cache, block_table)
     mask = causal_mask(seq_lens, T // R, context.shape[1])
     return latent_attention(query, context, mask, L, scale).reshape(T, N, L).to(ql_nope.dtype)
+
+
+def _dcp_fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
+              dcp_size, scale):
+    T, N, L = ql_nope.shape
+    return ql_nope.new_empty(T, N, L, dtype=torch.float32), ql_nope.new_empty(T, N, dtype=torch.float32)
+
+
+@stock_op("mla_decode_dcp", mutates_args=("kv_cache",), fake=_dcp_fake)
+def mla_decode_dcp(
+    ql_nope: Tensor,
+    q_pe: Tensor,
+    kv_c: Tensor,
+    k_pe: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    selected: Optional[Tensor],
+    dcp_rank: int,
+    dcp_size: int,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One rank's share of DCP attention: all G N heads (ql_nope [T, G N, L]) over the
+    positions this rank holds; ``selected`` [T, W_local] (DSA) narrows them further.
+    Returns the partial output [T, G N, L] and log-sum-exp [T, G N], both fp32."""
+    block = kv_cache.shape[1]
+    write_cache(kv_cache, dcp.local_slots(slot_mapping, block, dcp_rank, dcp_size), torch.cat([kv_c, k_pe], dim=-1))
+    R = block_table.shape[0]
+    T, N, L = ql_nope.shape
+    q = T // R
+    context = gather_context(kv_cache, block_table)
+    positions = dcp.context_positions(context.shape[1], block, dcp_rank, dcp_size, context.device)
+    mask = dcp.causal_mask_at(positions, seq_lens, q)
+    if selected is not None:
+        mask = mask & selected.view(R, q, -1)
+    query = torch.cat([ql_nope, q_pe], dim=-1).view(R, q, N, -1)
+    out, lse = latent_attention(query, context, mask, L, scale, with_lse=True)
+    return out.reshape(T, N, L), lse.reshape(T, N)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -136,11 +187,26 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x: Tensor, step: DecodeStep, cache: LayerCache) -> Tensor:
         _, ql_nope, q_pe, kv_c, k_pe, gate = self.project(x)
         (kv_cache,) = cache
-        latent = torch.ops.kimi.mla_decode(
-            ql_nope, q_pe, kv_c, k_pe, kv_cache, step.slot_mapping, step.block_table,
-            step.seq_lens, self.scale)
+        if self.par.dcp > 1:
+            latent = self.dcp_attention(ql_nope, q_pe, kv_c, k_pe, kv_cache, step)
+        else:
+            latent = torch.ops.kimi.mla_decode(
+                ql_nope, q_pe, kv_c, k_pe, kv_cache, step.slot_mapping, step.block_table,
+                step.seq_lens, self.scale)
         return self.output(latent, gate)
+
+    def dcp_attention(self, ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                      step: DecodeStep, selected: Tensor | None = None) -> Tensor:
+        """Query-head all-gather, this rank's partial attention, LSE combine (``dcp.py``)."""
+        par = self.par
+        query = dcp.gather_heads(torch.cat([ql_nope, q_pe], dim=-1), par)  # one all-gather, as vLLM
+        ql_all, q_pe_all = query.split([ql_nope.shape[-1], q_pe.shape[-1]], dim=-1)
+        out, lse = torch.ops.kimi.mla_decode_dcp(
+            ql_all, q_pe_all, kv_c, k_pe, kv_cache, step.slot_mapping, step.block_table, step.seq_lens,
+            selected, par.rank, par.size, self.scale)
+        return dcp.combine(out, lse, par).to(ql_nope.dtype)
 
     @staticmethod
     def cache_shapes(config: KimiK3Config, num_blocks: int, block_size: int, dtype: torch.dtype):
+        """``block_size``: this rank's rows per block (the virtual block / DCP size)."""
         return (((num_blocks, block_size, config.latent_row), dtype),)

@@ -175,13 +175,17 @@ class KimiLinearForCausalLM(nn.Module):
     def allocate_caches(self, num_slots: int, num_blocks: int, block_size: int, q: int,
                         device=None) -> list[LayerCache]:
         """Zeroed per-layer caches: ``num_slots`` KDA state slots (slot 0 is the null
-        slot), a paged latent cache of ``num_blocks`` x ``block_size`` tokens; conv
-        state and latent caches in the model dtype, the KDA recurrent state in fp32."""
+        slot), a paged latent cache of ``num_blocks`` x ``block_size`` tokens (with DCP
+        = G each rank holds block_size / G rows of every block); conv state and latent
+        caches in the model dtype, the KDA recurrent state in fp32."""
         out, dtype = [], self.dtype
         for layer in self.model.layers:
             if layer.kind == "kda":
                 shapes = KimiDeltaAttention.cache_shapes(self.config, self.par, num_slots, q, dtype)
             else:
-                shapes = ATTENTION[layer.kind].cache_shapes(self.config, num_blocks, block_size, dtype)
+                if block_size % self.par.dcp:
+                    raise ValueError(f"block size {block_size} is not divisible by the DCP size {self.par.dcp}")
+                shapes = ATTENTION[layer.kind].cache_shapes(self.config, num_blocks, block_size // self.par.dcp,
+                                                            dtype)
             out.append(tuple(torch.zeros(s, dtype=d, device=device) for s, d in shapes))
         return out

@@ -38,15 +38,21 @@ class Parallel:
 
     ``max_num_tokens`` is the per-rank row capacity of the expert-parallel MoE
     exchange (MegaMoE's symmetric buffer, vLLM's ``max_num_batched_tokens``).
+    ``dcp`` is the decode context parallel size: 1, or G (the MLA/DSA latent cache
+    sharded over the same ranks, ``mla.py``).
     """
 
     layout: Layout = "tp"
     group: dist.ProcessGroup | None = None
     max_num_tokens: int = 8192
+    dcp: int = 1
 
     def __post_init__(self) -> None:
         if self.layout not in ("tp", "sp"):
             raise ValueError(f"layout must be 'tp' or 'sp', got {self.layout!r}")
+        if self.dcp not in (1, self.size):
+            raise ValueError(f"decode context parallel size must be 1 or the TP size {self.size}, got {self.dcp} "
+                             f"(vLLM runs DCP over the TP ranks)")
 
     @property
     def size(self) -> int:
