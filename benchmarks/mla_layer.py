@@ -28,6 +28,14 @@ from kimi_inductor.stock import DecodeStep, KimiK3Config, Parallel  # noqa: E402
 from kimi_inductor.stock.mla import MultiHeadLatentAttention  # noqa: E402
 
 
+def random_params(layer, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in layer.named_parameters():
+        t = torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1)
+        out[name] = (t + 1 if name.endswith("layernorm.weight") else t).to(device=device, dtype=p.dtype)
+    return out
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -43,15 +51,7 @@ def main(argv=None) -> Results:
     layer = MultiHeadLatentAttention(config, Parallel(), device="meta")
     block, context = (4, 16) if args.smoke else (64, args.context)
     gen = torch.Generator().manual_seed(0)
-
-    def params():
-        out = {}
-        for name, p in layer.named_parameters():
-            t = torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1)
-            out[name] = (t + 1 if name.endswith("layernorm.weight") else t).to(device=device, dtype=p.dtype)
-        return out
-
-    copies = [params() for _ in range(1 if args.smoke else args.copies)]
+    copies = [random_params(layer, gen, device) for _ in range(1 if args.smoke else args.copies)]
     weight_bytes = sum(t.numel() * t.element_size() for t in copies[0].values())
 
     def step(params, x, slots, table, seq_lens, cache):

@@ -8,8 +8,9 @@ seq_len - q + j) attend over every cached position s <= that position with score
 ``sum_s p_s cache[s][:L]`` in bf16 [T, N, L]. Requests with seq_len 0 give zeros.
 
 Layout. MLA decode is multi-query: the N heads (and the q tokens) of a request share
-one latent row per position, so a program takes BM = 16 query rows (flattened
-(token, head) pairs of one request) against a chunk of the request's positions:
+one latent row per position, so a program takes BM query rows (flattened (token, head)
+pairs of one request: all of them up to 64, so that the cache is streamed once per
+request) against a chunk of the request's positions:
 
   grid (R, ceil(q N / BM), SPLITS). A program streams its chunk BS positions at a time
   (block table -> physical rows; latent [BS, L] and rope [BS, R] tiles), scores them
@@ -23,13 +24,23 @@ capacity), so the op is capturable in CUDA graphs. Rounding: P is rounded to bf1
 the P V dot (tensor cores), as vLLM's Triton MLA does; scores, softmax and the
 accumulator are fp32 (stock's reference keeps P in fp32: the difference is below one
 bf16 rounding of the output). fp32 activations take fp32 dots with P unrounded.
+
+``kimi_kernels::mla_decode_dcp`` is the same kernel for decode context parallelism
+(stock ``kimi::mla_decode_dcp``, ``stock/dcp.py``): this rank's cache holds every G-th
+position, so a context index maps to global position (i // B) B G + (i % B) G + rank
+for the causal mask, the loop stops at the rank's own count of positions, an optional
+``selected`` mask (DSA's top-k) narrows the visible positions, and the combine returns
+the fp32 partial output with its log-sum-exp for the cross-rank merge.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
+from kimi_inductor.stock import dcp
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.mla import write_cache
 
@@ -37,7 +48,7 @@ from .common import INTERPRET, bf16_round, tl, triton
 
 NAMESPACE = "kimi_kernels"
 SMS = 132  # H200
-BM, BS = 16, 32
+BS = 32  # the default positions per step (``tiles``)
 
 
 def supported(latent: int, rope: int, dtype: torch.dtype) -> str:
@@ -57,9 +68,11 @@ if triton is not None:
 
     @triton.jit
     def _mla_split_kernel(qn_ptr, stride_qn_t, stride_qn_h, qp_ptr, stride_qp_t, stride_qp_h, cache_ptr,
-                          table_ptr, stride_table, seq_ptr, acc_ptr, ml_ptr, N, Q, R_DIM, chunk, scale,
+                          table_ptr, stride_table, seq_ptr, sel_ptr, stride_sel, acc_ptr, ml_ptr, N, Q, R_DIM,
+                          chunk, scale, dcp_rank, dcp_size,
                           L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                          BM: tl.constexpr, BS: tl.constexpr, DOT_F32: tl.constexpr, ROUND: tl.constexpr):
+                          BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, DOT_F32: tl.constexpr,
+                          ROUND: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # (token j, head n) pairs of request r
         split = tl.program_id(2)
@@ -76,9 +89,10 @@ if triton is not None:
             qn = qn.to(tl.float32)
             qp = qp.to(tl.float32)
         seq = tl.load(seq_ptr + r)
-        last = seq - Q + rows // N  # the last position each row sees
+        last = seq - Q + rows // N  # the last (global) position each row sees
+        local_len = tl.maximum(seq - dcp_rank + dcp_size - 1, 0) // dcp_size  # this rank's positions < seq
         start = split * chunk
-        end = tl.minimum(start + chunk, seq)
+        end = tl.minimum(start + chunk, local_len)
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, L], dtype=tl.float32)
@@ -96,7 +110,11 @@ if triton is not None:
                 s = tl.dot(qn, tl.trans(kv), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
             else:
                 s = tl.dot(qn, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
-            visible = (pos[None, :] <= last[:, None]) & pmask[None, :]
+            where = (pos // BLOCK) * BLOCK * dcp_size + (pos % BLOCK) * dcp_size + dcp_rank  # global position
+            visible = (where[None, :] <= last[:, None]) & pmask[None, :]
+            if HAS_SEL:
+                visible &= tl.load(sel_ptr + tok[:, None] * stride_sel + pos[None, :],
+                                   mask=rmask[:, None] & pmask[None, :], other=0) != 0
             s = tl.where(visible, s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -117,27 +135,44 @@ if triton is not None:
         tl.store(ml_ptr + (split * nrows + out_rows) * 2 + 1, l, mask=rmask)
 
     @triton.jit
-    def _combine_kernel(acc_ptr, ml_ptr, out_ptr, nrows, L: tl.constexpr, SPLITS: tl.constexpr):
+    def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lse_ptr, nrows, n_split, L: tl.constexpr,
+                        WITH_LSE: tl.constexpr):
         row = tl.program_id(0)
         dl = tl.arange(0, L)
-        top = float("-inf")
-        for s in tl.static_range(SPLITS):
+        top = tl.load(ml_ptr + row * 2)  # split 0; runtime loops: no unrolling over splits
+        for s in range(1, n_split):
             top = tl.maximum(top, tl.load(ml_ptr + (s * nrows + row) * 2))
         top = tl.where(top == float("-inf"), 0.0, top)
         num = tl.zeros([L], dtype=tl.float32)
-        den = 0.0
-        for s in tl.static_range(SPLITS):
+        den = tl.zeros([L], dtype=tl.float32)  # the sum of weights, kept as a vector: one loop-carried type
+        for s in range(n_split):
             w = tl.exp(tl.load(ml_ptr + (s * nrows + row) * 2) - top)
             den += w * tl.load(ml_ptr + (s * nrows + row) * 2 + 1)
             num += w * tl.load(acc_ptr + (s * nrows + row).to(tl.int64) * L + dl)
         out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
         tl.store(out_ptr + row.to(tl.int64) * L + dl, out.to(out_ptr.dtype.element_ty))
+        if WITH_LSE:
+            total = tl.max(den, 0)
+            tl.store(lse_ptr + row, tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
-def splits(requests: int, groups: int, capacity: int) -> int:
+def tiles(bm: int) -> tuple[int, int]:
+    """(BS positions per step, split cap) for BM rows: the best of the sweep in
+    docs/results/mla_kernel_h200_v1.json at 128K context (16 rows: 32 / 256; 32 rows:
+    64 / 64)."""
+    return (32, 256) if bm <= 16 else (64, 64)
+
+
+def row_block(rows: int) -> int:
+    """BM: every (token, head) row of a request in one program when it fits (16..64),
+    so that the request's cache is streamed once."""
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64) -> int:
     """KV splits per (request, row group): enough programs for every SM, chunks of at
     least 4 BS positions (static sizes only: capturable)."""
-    return max(1, min(triton.cdiv(2 * SMS, requests * groups), triton.cdiv(capacity, 4 * BS), 64))
+    return max(1, min(triton.cdiv(2 * SMS, requests * groups), triton.cdiv(capacity, 4 * bs), most))
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):
@@ -147,32 +182,75 @@ def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_le
 @torch.library.custom_op(f"{NAMESPACE}::mla_decode", mutates_args=("kv_cache",))
 def mla_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                block_table: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
-    T, N, L = ql_nope.shape
-    use_triton = (ql_nope.is_cuda or INTERPRET) and not supported(L, q_pe.shape[-1], ql_nope.dtype)
-    if not use_triton:
+    if not _use_triton(ql_nope, q_pe):
         return reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
+    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
+
+
+def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
+    return (ql_nope.is_cuda or INTERPRET) and not supported(ql_nope.shape[-1], q_pe.shape[-1], ql_nope.dtype)
+
+
+def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+           dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
+           bm: int | None = None, bs: int | None = None, most_splits: int | None = None, num_stages: int = 2):
+    """The Triton attention over the (already written) cache: [T, N, L] in the query
+    dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
+    Tile arguments are for the benchmark's sweep (``benchmarks/mla_kernel.py``)."""
+    T, N, L = ql_nope.shape
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
     Q = T // R
-    groups = triton.cdiv(Q * N, BM)
-    n_split = splits(R, groups, block_table.shape[1] * block)
-    chunk = triton.cdiv(triton.cdiv(block_table.shape[1] * block, n_split), BS) * BS
+    bm = bm or row_block(Q * N)
+    bs, most_splits = bs or tiles(bm)[0], most_splits or tiles(bm)[1]
+    groups = triton.cdiv(Q * N, bm)
+    capacity = block_table.shape[1] * block
+    n_split = splits(R, groups, capacity, bs, most_splits)
+    chunk = triton.cdiv(triton.cdiv(capacity, n_split), bs) * bs
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
     ml = torch.empty(n_split, T * N, 2, dtype=torch.float32, device=ql_nope.device)
-    out = torch.empty(T, N, L, dtype=ql_nope.dtype, device=ql_nope.device)
+    out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)
+    lse = torch.empty(T, N, dtype=torch.float32, device=ql_nope.device) if with_lse else out
+    sel = selected.view(torch.uint8) if selected is not None else seq_lens
     R_DIM = q_pe.shape[-1]
     assert ql_nope.stride(2) == 1 and q_pe.stride(2) == 1 and kv_cache.is_contiguous()
     _mla_split_kernel[(R, groups, n_split)](
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache,
-        block_table, block_table.stride(0), seq_lens, acc, ml, N, Q, R_DIM, chunk, scale,
-        L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=BM, BS=BS,
-        DOT_F32=INTERPRET or ql_nope.dtype == torch.float32, ROUND=ql_nope.dtype == torch.bfloat16,
-        num_warps=4, num_stages=2)
-    _combine_kernel[(T * N,)](acc, ml, out, T * N, L=L, SPLITS=n_split)
-    return out
+        block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0, acc, ml,
+        N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
+        L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
+        HAS_SEL=selected is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
+        ROUND=ql_nope.dtype == torch.bfloat16, num_warps=max(4, bm // 4), num_stages=num_stages)
+    _combine_kernel[(T * N,)](acc, ml, out, lse, T * N, n_split, L=L, WITH_LSE=with_lse)
+    return (out, lse) if with_lse else out
 
 
 mla_decode.register_fake(_fake)
+
+
+def _dcp_fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
+              dcp_size, scale):
+    T, N, L = ql_nope.shape
+    return ql_nope.new_empty(T, N, L, dtype=torch.float32), ql_nope.new_empty(T, N, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_decode_dcp", mutates_args=("kv_cache",))
+def mla_decode_dcp(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                   slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, selected: Optional[Tensor],
+                   dcp_rank: int, dcp_size: int, scale: float) -> tuple[Tensor, Tensor]:
+    """DCP partials (stock ``kimi::mla_decode_dcp``): all gathered heads over this rank's
+    positions (and, for DSA, only the ``selected`` ones) -> fp32 output and LSE."""
+    args = (ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
+            dcp_size, scale)
+    if not _use_triton(ql_nope, q_pe):
+        return REFERENCES[torch.ops.kimi.mla_decode_dcp.default](*args)
+    write_cache(kv_cache, dcp.local_slots(slot_mapping, kv_cache.shape[1], dcp_rank, dcp_size),
+                torch.cat([kv_c, k_pe], dim=-1))
+    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, dcp_rank, dcp_size, selected,
+                  with_lse=True)
+
+
+mla_decode_dcp.register_fake(_dcp_fake)
 
 
 def reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):

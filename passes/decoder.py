@@ -37,8 +37,8 @@ aten = torch.ops.aten
 ATTENTION_CORES = {kimi.kda_decode.default: "kda", kimi.mla_decode.default: "mla",
                    kimi.dsa_decode.default: "dsa", torch.ops.kimi_kernels.kda_decode.default: "kda",
                    torch.ops.kimi_kernels.mla_decode.default: "mla",
-                   kimi.mla_decode_dcp.default: "mla"}  # DCP: "dsa" when it takes the indexer's selection
-DCP_CORES = {kimi.mla_decode_dcp.default}
+                   kimi.mla_decode_dcp.default: "mla", torch.ops.kimi_kernels.mla_decode_dcp.default: "mla"}
+DCP_CORES = {kimi.mla_decode_dcp.default, torch.ops.kimi_kernels.mla_decode_dcp.default}  # "dsa" with a selection
 ROUTED_EXPERTS = {kimi.fused_experts.default, kimi.ep_experts.default,
                   torch.ops.kimi_kernels.mega_moe.default, torch.ops.kimi_kernels.expert_ffn.default}
 ALLOCATIONS = {aten.empty.memory_format, aten.new_empty.default, aten.full.default, aten.zeros.default}

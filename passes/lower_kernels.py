@@ -10,6 +10,7 @@ Matches and produces (M = rows, at most 64):
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
+    kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
 
 Each replacement computes the same function (the kernels' CPU references are the
 replaced ops; on CPU the lowered graph is bitwise the unlowered one). A GEMM with
@@ -41,6 +42,8 @@ from .graph import OpCall, refresh_meta
 from .report import PassInfo
 
 aten, prims = torch.ops.aten, torch.ops.prims
+MLA_CORES = {torch.ops.kimi.mla_decode.default: torch.ops.kimi_kernels.mla_decode.default,
+             torch.ops.kimi.mla_decode_dcp.default: torch.ops.kimi_kernels.mla_decode_dcp.default}
 
 
 def _weight(node) -> fx.Node | None:
@@ -105,7 +108,7 @@ class LowerKernels:
                 continue
             per_node[_fuse_kda(g, call, f_a=gemm[0], f_b=gemm[1])] = "kda"
             info.rewritten += 1
-        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op is torch.ops.kimi.mla_decode.default]:
+        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op in MLA_CORES]:
             info.matched += 1
             ql = call.arg("ql_nope").meta["val"]
             why = mla_kernel.supported(ql.shape[-1], call.arg("q_pe").meta["val"].shape[-1], ql.dtype)
@@ -114,7 +117,7 @@ class LowerKernels:
             if why:
                 kept[f"MLA core: {why}"] += 1
                 continue
-            per_node[_swap(g, call, torch.ops.kimi_kernels.mla_decode.default, dict(call.node.kwargs))] = "mla"
+            per_node[_swap(g, call, MLA_CORES[call.op], dict(call.node.kwargs))] = "mla"
             info.rewritten += 1
         for node in list(g.nodes):
             gemm = match_gemm(node)

@@ -83,6 +83,8 @@ def test_report_names_dcp_and_the_snapshot_of_a_dcp_mla_layer(fake_world):
     assert [l.kind for l in report.layers] == kinds and all(l.rewritten for l in report.layers)
     for layer in report.layers:
         assert ("DCP 2" in layer.notes.get("dcp", "")) == (layer.kind == "mla")
+        if layer.kind == "mla":  # lower_kernels takes the DCP core too
+            assert "MLA core x1" in layer.notes["kernels"]
     assert_expected_inline(snaps["mla"], """\
 %in0 = aten.slice(...)  : bf16[3, 128]
 %in1 = input  : bf16[128]

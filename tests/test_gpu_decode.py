@@ -2,7 +2,8 @@
 over NCCL, mega_moe's exchange, the Triton KDA and expert kernels) against stock, 16
 decode steps with padding rows. fp32 trajectories agree to 1e-4 (the kernels take fp32
 dots, no rounding points); bf16 stays in the band of bf16 stock around fp32 stock
-(docs/testing.md). Skipped without CUDA (CI); G = 2 needs two GPUs.
+(docs/testing.md). At G = 2 also with decode context parallelism (DCP 2, both presets)
+against the unsharded stock run. Skipped without CUDA (CI); G = 2 needs two GPUs.
 """
 
 import dataclasses
@@ -26,7 +27,13 @@ def test_compiled_decode_on_gpus_agrees_with_stock(world):
     compiled = dict(backend="kimi_specialized", options={"compiler": "inductor"})
     runs = [kda, dataclasses.replace(kda, **compiled), dsa, dataclasses.replace(dsa, dtype="bfloat16"),
             dataclasses.replace(dsa, dtype="bfloat16", **compiled)]
-    ref32, out32, dsa32, dsa16, out16 = run_ranks(decode_many, world, runs, backend="nccl")[0]
+    if world > 1:  # decode context parallel: the Triton DCP cores and the LSE merge over NCCL
+        runs += [dataclasses.replace(dsa, dcp=world, **compiled), dataclasses.replace(kda, dcp=world, **compiled)]
+    results = run_ranks(decode_many, world, runs, backend="nccl")[0]
+    ref32, out32, dsa32, dsa16, out16 = results[:5]
+    for dcp_run, ref in zip(results[5:], (dsa32, ref32)):
+        rel = ((dcp_run["outputs"] - ref["outputs"]).flatten(1).norm(dim=1) / ref["outputs"].flatten(1).norm(dim=1))
+        assert rel.max() < 1e-4, f"DCP {world}: fp32 relative error {rel.max():.2e}"
     for result in (out32, out16):
         layers = result["report"]["layers"]
         assert all(l["rewritten"] for l in layers) or world == 1

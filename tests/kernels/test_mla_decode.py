@@ -51,5 +51,34 @@ def test_matches_stock(R, q, N, L, RD, block, per_req, dtype):
     assert ((got.float() - want.float()).abs() <= bound).all(), (got.float() - want.float()).abs().max()
 
 
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
+@pytest.mark.parametrize("rank", [0, 1, 2])
+@pytest.mark.parametrize("with_selection", [False, True])
+def test_dcp_partials_match_stock(N, L, RD, block, per_req, rank, with_selection):
+    """DCP = 3: the cache is this rank's (every third position), slots are global, and
+    DSA's selection narrows what is visible."""
+    R, q, size = 3, 2, 3
+    args, scale = _case(R, q, 3 * N, L, RD, block, per_req, torch.bfloat16, seed=rank)
+    T = R * q
+    selected = None
+    if with_selection:
+        g = torch.Generator().manual_seed(5)
+        selected = (torch.rand(T, per_req * block, generator=g) < 0.3).to(DEVICE)
+    ql, qp, kv_c, k_pe, cache, slots, table, seq = args
+    # global slots over virtual blocks of block * size positions
+    pos = (seq.long()[:, None] - q + torch.arange(q, device=DEVICE)).clamp(min=0)
+    slots = (table.long().gather(1, pos // (block * size)) * block * size + pos % (block * size)).view(-1)
+    slots[-q:] = -1
+    full = (ql, qp, kv_c, k_pe, cache, slots, table, seq, selected, rank, size, scale)
+    mine = [a.clone() if isinstance(a, torch.Tensor) else a for a in full]
+    want_out, want_lse = torch.ops.kimi.mla_decode_dcp(*full)
+    got_out, got_lse = torch.ops.kimi_kernels.mla_decode_dcp(*mine)
+    assert torch.equal(mine[4], cache)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-4, atol=1e-4)
+    bound = 2**-6 * want_out.abs().amax(-1, keepdim=True) + 1e-6
+    assert ((got_out - want_out).abs() <= bound).all()
+
+
 def test_splits_use_static_sizes_only():
     assert M.splits(1, 1, 64 * 1024) == 64 and M.splits(64, 2, 4096) == 3 and M.splits(1, 1, 16) == 1
+    assert [M.row_block(n) for n in (1, 12, 24, 96)] == [16, 16, 32, 64]
