@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--padding", type=int, default=1, help="padding requests (CUDA-graph padding rows)")
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
+    d.add_argument("--dcp", type=int, default=1, help="decode context parallel size: 1 or --ranks")
     d.add_argument("--json", dest="json_path", help="write the result as JSON here")
 
     e = sub.add_parser("explain", help="compile (never run) a preset's decode step and print the match report")
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="run the GPU benchmarks (benchmarks/), write JSON and a plot")
     b.add_argument("--out", default="bench-results", help="folder for the JSON files and the plot")
-    b.add_argument("--only", nargs="+", help="a subset of: kda_layer_q1 kda_layer_q4 kda_kernel gemm")
+    b.add_argument("--only", nargs="+", help="a subset of the suite (kimi_inductor/bench.py SUITE), e.g. "
+                                             "kda_layer_q1 moe_layer mla_layer dcp_mla")
     b.add_argument("--smoke", action="store_true", help="CPU smoke run of the KDA layer benchmark")
 
     args = parser.parse_args(argv)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import demo, format_demo
 
         result = demo(args.preset, args.ranks, args.q, args.steps, args.requests, args.padding, args.dtype,
-                      args.compiler, args.json_path)
+                      args.compiler, args.dcp, args.json_path)
         print(format_demo(result))
         return 0 if result["agree"] else 1
 

@@ -3,7 +3,7 @@ with a progress bar, write their JSON into one folder and plot the layer steps.
 
 Needs a checkout (the benchmarks live beside the package) and a CUDA GPU; ``--smoke``
 runs the KDA layer benchmark's CPU smoke mode instead (no timings). The two-GPU
-expert-parallel benchmark runs only when two GPUs are visible.
+benchmarks (expert parallel, DCP) run only when two GPUs are visible.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ SUITE = {  # name: (script, arguments)
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),
     "mla_layer": ("mla_layer.py", []),
+    "mla_kernel": ("mla_kernel.py", []),
     "gemm": ("gemm.py", []),
     "moe_experts": ("moe_experts.py", []),
     "moe_layer": ("moe_layer.py", []),
     "mega_moe_ep2": ("mega_moe.py", ["--gpus", "2"]),  # only with two GPUs visible
+    "dcp_mla": ("dcp_mla.py", ["--gpus", "2"]),
 }
 
 
@@ -36,8 +38,8 @@ def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> d
     if not smoke:
         import torch
 
-        if torch.cuda.device_count() < 2:
-            names = [n for n in names if n != "mega_moe_ep2"]
+        gpus = torch.cuda.device_count()
+        names = [n for n in names if "--gpus" not in suite[n][1] or int(suite[n][1][1]) <= gpus]
     try:
         from tqdm import tqdm
     except ImportError:  # a plain loop without the bar

@@ -22,9 +22,9 @@ from .launch import run_ranks
 
 
 def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, requests: int = 3, padding: int = 1,
-         dtype: str = "bfloat16", compiler: str = "eager", json_path: str | None = None) -> dict[str, Any]:
+         dtype: str = "bfloat16", compiler: str = "eager", dcp: int = 1, json_path: str | None = None) -> dict[str, Any]:
     stock = DecodeRun(preset=preset, layout="sp", q=q, steps=steps, requests=requests, padding=padding,
-                      dtype=dtype, layer_timings=True)
+                      dtype=dtype, dcp=dcp, layer_timings=True)
     compiled = dataclasses.replace(stock, layer_timings=False, backend="kimi_specialized",
                                    options={"compiler": compiler})
     rows = (requests + padding) * q
@@ -48,10 +48,10 @@ def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, reque
     layers = []
     for info, rep in zip(ref["layers"], report["layers"]):
         t = sorted(timings.get(info["index"], [0.0]))
-        layers.append({**{k: rep[k] for k in ("index", "kind", "mlp", "rewritten", "reason")},
+        layers.append({**{k: rep[k] for k in ("index", "kind", "mlp", "rewritten", "reason", "notes")},
                        "shapes": info["shapes"], "stock_ms": 1e3 * t[len(t) // 2]})
     result = {
-        "preset": preset, "ranks": ranks, "q": q, "steps": steps, "rows": rows, "dtype": dtype,
+        "preset": preset, "ranks": ranks, "dcp": dcp, "q": q, "steps": steps, "rows": rows, "dtype": dtype,
         "compiler": compiler, "layers": layers,
         "collectives_stock": report["collectives_before"], "collectives_compiled": report["collectives_after"],
         "max_abs_diff": diff, "tolerance": tolerance, "tolerance_rule": rule, "agree": diff <= tolerance,
@@ -71,11 +71,13 @@ def _median_ms(seconds: list[float]) -> float:
 
 def format_demo(r: dict[str, Any]) -> str:
     lines = [f"kimi_specialized on the {r['preset']} Kimi K3 decoder: {r['ranks']} CPU ranks (gloo), "
-             f"{r['rows']} rows (q={r['q']}), {r['steps']} steps, {r['dtype']}, {r['compiler']} compiler",
+             f"DCP {r['dcp']}, {r['rows']} rows (q={r['q']}), {r['steps']} steps, {r['dtype']}, "
+             f"{r['compiler']} compiler",
              f"{'layer':>5} {'attn':<4} {'mlp':<5} {'stock ms':>8}  {'rewritten':<9} reason"]
     for l in r["layers"]:
         lines.append(f"{l['index']:>5} {l['kind']:<4} {l['mlp']:<5} {l['stock_ms']:>8.2f}  "
                      f"{'yes' if l['rewritten'] else 'no':<9} {l['reason']}")
+        lines += [f"{'':>26}{key}: {note}" for key, note in l["notes"].items()]
     first = r["layers"][0]["shapes"]
     lines.append("rank-0 weights of layer 0: " + ", ".join(f"{k} {v}" for k, v in first.items()))
     lines.append(f"collectives per step: stock {r['collectives_stock']} -> kimi_specialized "

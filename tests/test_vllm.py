@@ -219,3 +219,13 @@ def test_passes_match_and_emit_vllm_collective_ops():
     assert spelled == {"all_reduce": 1, "all_gather": 10, "reduce_scatter": 9}
     assert report.layout == "sp" and all(l.rewritten for l in report.layers)
     assert report.collectives_after == {"all_reduce": 10, "all_gather": 8, "reduce_scatter": 0}
+
+
+def test_importing_vllm_from_a_checkout_keeps_our_ops():
+    """transformers (imported with vLLM) imports a top-level ``kernels`` while probing for
+    the Hugging Face package; from the repository root that is our folder, which must
+    not register our ops a second time (that invalidates the ops the passes match)."""
+    from kimi_inductor.passes.decoder import ATTENTION_CORES, ROUTED_EXPERTS
+
+    assert torch.ops.kimi_kernels.mega_moe.default in ROUTED_EXPERTS
+    assert torch.ops.kimi_kernels.kda_decode.default in ATTENTION_CORES
