@@ -65,3 +65,26 @@ class Results:
     def dump(self, path: str) -> None:
         with open(path, "w") as fh:
             json.dump({"benchmark": self.name, "meta": self.meta, "rows": self.rows}, fh, indent=1)
+
+
+def run_on_gpus(fn: Callable, gpus: int, args: tuple, json_path: str) -> None:
+    """``fn(rank, gpus, port, *args, json_path)`` on ``gpus`` spawned processes (one GPU each;
+    ``fn`` initialises NCCL on ``port`` and writes ``json_path + ".rank<r>"``); the ranks'
+    JSON rows are merged into ``json_path``."""
+    import os
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < gpus:
+        raise ValueError(f"needs {gpus} GPUs, found {torch.cuda.device_count()}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(fn, args=(gpus, port, *args, json_path), nprocs=gpus, start_method="spawn")
+    if json_path:
+        merged = [json.load(open(f"{json_path}.rank{r}")) for r in range(gpus)]
+        json.dump({**merged[0], "rows": [row for m in merged for row in m["rows"]]}, open(json_path, "w"), indent=1)
+        for r in range(gpus):
+            os.remove(f"{json_path}.rank{r}")
+

@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Results, floor_us, graph_time_us  # noqa: E402
+from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
 from moe_experts import BETA, LINEAR_BETA, eager_time_us, routing  # noqa: E402
 
 import kimi_inductor.kernels  # noqa: E402,F401
@@ -80,18 +78,7 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
-    if torch.cuda.device_count() < args.gpus:
-        raise ValueError(f"needs {args.gpus} GPUs, found {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(args.gpus, port, args.rows, args.json), nprocs=args.gpus, start_method="spawn")
-    if args.json:
-        merged = [json.load(open(f"{args.json}.rank{r}")) for r in range(args.gpus)]
-        json.dump({**merged[0], "rows": [row for m in merged for row in m["rows"]]}, open(args.json, "w"), indent=1)
-        for r in range(args.gpus):
-            os.remove(f"{args.json}.rank{r}")
-
+    run_on_gpus(_rank, args.gpus, (args.rows,), args.json)
 
 if __name__ == "__main__":
     main()
