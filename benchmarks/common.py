@@ -58,9 +58,10 @@ class Results:
             "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
 
-    def add(self, **row: Any) -> None:
+    def add(self, echo: bool = True, **row: Any) -> None:
         self.rows.append(row)
-        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        if echo:
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
     def dump(self, path: str) -> None:
         with open(path, "w") as fh:

@@ -12,7 +12,6 @@ rows a rank reads + activations).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -68,14 +67,10 @@ def _rank(rank: int, world: int, port: int, contexts: list[int], requests: list[
                 fl = floor_us(weight_bytes + cache_bytes + 2 * R * q * config.hidden_size * 2)
                 row = dict(rank=rank, dcp=dcp_size, context=context, requests=R, q=q, floor_us=fl, kimi_us=t,
                            kimi_x_floor=t / fl)
-                if rank == 0:
-                    res.add(**row)
-                else:
-                    res.rows.append(row)
+                res.add(echo=rank == 0, **row)
                 del cache
     if out:
-        with open(f"{out}.rank{rank}", "w") as fh:
-            json.dump({"benchmark": res.name, "meta": res.meta, "rows": res.rows}, fh, indent=1)
+        res.dump(f"{out}.rank{rank}")
     dist.destroy_process_group()
 
 

@@ -13,7 +13,6 @@ top-16, bf16 weights; c rows per rank, routed uniformly over all 896 experts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -62,13 +61,9 @@ def _rank(rank: int, world: int, port: int, rows_list: list[int], out: str) -> N
         fl = floor_us(active * expert_bytes)
         row = dict(rank=rank, rows=rows, active_experts=active, floor_us=fl, ours_us=t_ours,
                    experts_only_us=t_experts, stock_eager_us=t_stock, ours_of_ceiling=fl / t_ours, rel_err=err)
-        if rank == 0:
-            res.add(**row)
-        else:
-            res.rows.append(row)
+        res.add(echo=rank == 0, **row)
     if out:
-        with open(f"{out}.rank{rank}", "w") as fh:
-            json.dump({"benchmark": res.name, "meta": res.meta, "rows": res.rows}, fh, indent=1)
+        res.dump(f"{out}.rank{rank}")
     dist.destroy_process_group()
 
 
