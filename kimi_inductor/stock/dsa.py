@@ -23,7 +23,7 @@ from . import dcp
 from .config import KimiK3Config
 from .layers import Linear
 from .library import stock_op
-from .mla import MultiHeadLatentAttention, causal_mask, gather_context, latent_attention, write_cache
+from .mla import MultiHeadLatentAttention, attend_cache, causal_mask, gather_context, write_cache
 from .parallel import Parallel, all_gather
 from .state import DecodeStep, LayerCache
 
@@ -71,15 +71,12 @@ def dsa_decode(
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
     write_cache(index_cache, slot_mapping, index_k)
     R = block_table.shape[0]
-    T, N, L = ql_nope.shape
-    q = T // R
-    context = gather_context(kv_cache, block_table)
-    visible = causal_mask(seq_lens, q, context.shape[1])
-    selected = topk_mask(index_scores(
-        index_q.view(R, q, *index_q.shape[1:]), index_w.view(R, q, -1),
-        gather_context(index_cache, block_table), visible), topk)
-    query = torch.cat([ql_nope, q_pe], dim=-1).view(R, q, N, -1)
-    return latent_attention(query, context, selected, L, scale).reshape(T, N, L).to(ql_nope.dtype)
+    q = ql_nope.shape[0] // R
+    keys = gather_context(index_cache, block_table)
+    visible = causal_mask(seq_lens, q, keys.shape[1])
+    selected = topk_mask(index_scores(index_q.view(R, q, *index_q.shape[1:]), index_w.view(R, q, -1), keys,
+                                      visible), topk)
+    return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected)
 
 
 def select_topk_dcp(scores: Tensor, topk: int, block_local: int, par: Parallel) -> Tensor:

@@ -57,10 +57,8 @@ def gather_context(cache: Tensor, block_table: Tensor) -> Tensor:
 
 
 def causal_mask(seq_lens: Tensor, q: int, width: int) -> Tensor:
-    """[R, q, width]: query j of request r sees positions <= seq_len - q + j."""
-    pos = torch.arange(width, device=seq_lens.device)
-    last = seq_lens.long()[:, None] - q + torch.arange(q, device=seq_lens.device)
-    return pos[None, None, :] <= last[:, :, None]
+    """[R, q, width] over an unsharded cache: query j of request r sees positions <= seq_len - q + j."""
+    return dcp.causal_mask_at(torch.arange(width, device=seq_lens.device), seq_lens, q)
 
 
 def latent_attention(query: Tensor, context: Tensor, mask: Tensor, latent: int, scale: float,
@@ -91,13 +89,7 @@ def mla_decode(
     scale: float,
 ) -> Tensor:
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
-    R = block_table.shape[0]
-    T, N, L = ql_nope.shape
-    query = torch.cat([ql_nope, q_pe], dim=-1).view(R, T // R, N, -1)
-    context = gather_context(kv_cache, block_table)
-    mask = causal_mask(seq_lens, T // R, context.shape[1])
-    return latent_attention(query, context, mask, L, scale).reshape(T, N, L).to(ql_nope.dtype)
-
+    return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
 
 def _dcp_fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
               dcp_size, scale):
@@ -123,20 +115,32 @@ def mla_decode_dcp(
     """One rank's share of DCP attention: all G N heads (ql_nope [T, G N, L]) over the
     positions this rank holds; ``selected`` [T, W_local] (DSA) narrows them further.
     Returns the partial output [T, G N, L] and log-sum-exp [T, G N], both fp32."""
-    block = kv_cache.shape[1]
-    write_cache(kv_cache, dcp.local_slots(slot_mapping, block, dcp_rank, dcp_size), torch.cat([kv_c, k_pe], dim=-1))
+    write_cache(kv_cache, dcp.local_slots(slot_mapping, kv_cache.shape[1], dcp_rank, dcp_size),
+                torch.cat([kv_c, k_pe], dim=-1))
+    return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, dcp_rank, dcp_size, selected,
+                        with_lse=True)
+
+
+def attend_cache(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                 scale: float, dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None,
+                 with_lse: bool = False):
+    """The core after the cache write: every request's query rows [T, N, L | R] over the
+    cache positions this rank holds (all of them without DCP), causal, narrowed by
+    ``selected`` [T, W] (DSA) -> [T, N, L] in the query dtype, or with ``with_lse`` the
+    fp32 output and its log-sum-exp [T, N]."""
     R = block_table.shape[0]
     T, N, L = ql_nope.shape
     q = T // R
     context = gather_context(kv_cache, block_table)
-    positions = dcp.context_positions(context.shape[1], block, dcp_rank, dcp_size, context.device)
+    positions = dcp.context_positions(context.shape[1], kv_cache.shape[1], dcp_rank, dcp_size, context.device)
     mask = dcp.causal_mask_at(positions, seq_lens, q)
     if selected is not None:
         mask = mask & selected.view(R, q, -1)
     query = torch.cat([ql_nope, q_pe], dim=-1).view(R, q, N, -1)
-    out, lse = latent_attention(query, context, mask, L, scale, with_lse=True)
-    return out.reshape(T, N, L), lse.reshape(T, N)
-
+    if with_lse:
+        out, lse = latent_attention(query, context, mask, L, scale, with_lse=True)
+        return out.reshape(T, N, L), lse.reshape(T, N)
+    return latent_attention(query, context, mask, L, scale).reshape(T, N, L).to(ql_nope.dtype)
 
 class MultiHeadLatentAttention(nn.Module):
     """vLLM 0.33.0's K3 ``MultiHeadLatentAttention`` on one rank."""
