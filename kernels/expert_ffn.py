@@ -32,6 +32,7 @@ kernels with fp32 dots (its bf16 dot is wrong).
 
 from __future__ import annotations
 
+import functools
 
 import torch
 from torch import Tensor
@@ -43,8 +44,10 @@ from .common import INTERPRET, bf16_round, tl, triton
 NAMESPACE = "kimi_kernels"
 
 
+@functools.lru_cache
 def implementation(device: torch.device) -> tuple[str, str]:
-    """(name, reason) of the implementation the op runs on ``device``."""
+    """(name, reason) of the implementation the op runs on ``device`` (asked once per
+    device: the op calls it on every step)."""
     if device.type == "meta":
         return "chosen at run time", "compiled on the meta device"
     if triton is None:
