@@ -1,6 +1,10 @@
-"""Decode GEMMs at TP8 per-rank shapes: our skinny GEMM vs cuBLAS vs the byte floor.
+"""Decode GEMMs at TP8 per-rank shapes: our skinny GEMMs (CuTe DSL GEMV, Triton split-K)
+vs cuBLAS vs the byte floor, each in a CUDA graph.
 
-    python benchmarks/gemm.py --json gemm.json [--rows 1 8 32 64]
+    python benchmarks/gemm.py --json gemm.json [--rows 1 2 4 8 16 32 64] [--sweep]
+
+``--sweep`` also times a few CuTe configurations around ``cute_gemv.config`` (outputs per
+warp x K split) and records the best; ``fastest`` is what ``skinny_gemm.FASTEST`` holds.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
 
-import kimi_inductor.kernels  # noqa: E402,F401
+from kimi_inductor.kernels import skinny_gemm  # noqa: E402
+from kimi_inductor.kernels.skinny_gemm import tl_dot  # noqa: E402
 
 SHAPES = {  # name: (N, K, out dtype) per rank at TP8 (kimi_k3_stock.md section 11)
     "kda_in_proj": (6288, 7168, torch.bfloat16),
@@ -35,9 +40,25 @@ def cublas(x, w, out_dtype):
     return torch.mm(x, w.t())
 
 
+def cute_configs(M, N, K, sweep):
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    base = cute_gemv.config(M, N, K)
+    cands = {base}
+    if sweep:
+        steps = K // cute_gemv.STEP
+        splits = [d for d in range(1, steps + 1) if steps % d == 0 and steps // d >= 2]
+        i = splits.index(base.split)
+        for r in (1, 2, 4):
+            for split in splits[max(0, i - 1):i + 2]:
+                cands.add(base._replace(r=r, split=split, unroll=min(4, steps // split)))
+    return [c for c in cands if not cute_gemv.supported(M, N, K, c)], base
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--sweep", action="store_true")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--json")
@@ -49,15 +70,34 @@ def main(argv=None) -> Results:
         for M in args.rows:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = cublas(x, weights[0], out_dtype).float()
-            ours = torch.ops.kimi_kernels.skinny_mm(x, weights[0], None, out_dtype).float()
-            err = float((ours - ref).abs().max() / ref.abs().max())
-            t_cublas = graph_time_us(lambda i: cublas(x, weights[i % args.copies], out_dtype))
-            t_ours = graph_time_us(lambda i: torch.ops.kimi_kernels.skinny_mm(x, weights[i % args.copies], None,
-                                                                              out_dtype))
+
+            def err(out):
+                return float((out.float() - ref).abs().max() / ref.abs().max())
+
             nbytes = N * K * 2 + M * K * 2 + M * N * (4 if out_dtype == torch.float32 else 2)
             fl = floor_us(nbytes)
-            res.add(shape=name, N=N, K=K, M=M, floor_us=fl, cublas_us=t_cublas, ours_us=t_ours,
-                    ours_frac=fl / t_ours, cublas_frac=fl / t_cublas, rel_err=err)
+            row = dict(shape=name, N=N, K=K, M=M, floor_us=fl)
+            row["cublas_us"] = graph_time_us(lambda i: cublas(x, weights[i % args.copies], out_dtype))
+            row["tl_dot_us"] = graph_time_us(lambda i: tl_dot.run(x, weights[i % args.copies], None, out_dtype))
+            row["tl_dot_err"] = err(tl_dot.run(x, weights[0], None, out_dtype))
+            if M <= 8 and not skinny_gemm.cute_available():
+                from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+                cands, base = cute_configs(M, N, K, args.sweep)
+                times, errs = {}, []
+                for cfg in cands:  # three calls each: the split-K counters must reset
+                    errs += [err(cute_gemv.run(x, weights[0], None, out_dtype, cfg)) for _ in range(3)]
+                    times[cfg] = graph_time_us(lambda i: cute_gemv.run(x, weights[i % args.copies], None, out_dtype,
+                                                                       cfg))
+                best = min(times, key=times.get)
+                row.update(cute_gemv_us=times[base], cute_gemv_cfg=list(base), cute_gemv_err=max(errs),
+                           cute_best_us=times[best], cute_best_cfg=list(best))
+                if args.sweep:
+                    row["cute_sweep"] = {",".join(map(str, c)): t for c, t in sorted(times.items())}
+            impls = {k[:-3]: v for k, v in row.items() if k in ("cublas_us", "tl_dot_us", "cute_gemv_us")}
+            row["fastest"] = min(impls, key=impls.get)
+            row["best_frac"] = fl / impls[row["fastest"]]
+            res.add(**row)
         del weights
     if args.json:
         res.dump(args.json)

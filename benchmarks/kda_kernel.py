@@ -1,6 +1,9 @@
 """The fused KDA decode kernel alone (f_b GEMM + conv + gates + delta rule + gated norm)
 at TP8 per-rank heads (12 x 128): ours (per num_warps) vs the stock math compiled by
-Inductor vs the byte floor, inside CUDA graphs.
+Inductor vs the byte floor, inside CUDA graphs; and, when fla-core imports, fla's
+``fused_recurrent_kda`` (the Triton family vLLM's stock KDA comes from) on the same state:
+gates, beta, q/k L2 norm and the delta rule with the state updated in place, but no f_b
+GEMM, conv or gated norm, so it does a subset of our kernel's work.
 
     python benchmarks/kda_kernel.py --json kda_kernel.json
 """
@@ -19,6 +22,24 @@ from common import Results, floor_us, graph_time_us  # noqa: E402
 from test_kda_decode import inputs  # noqa: E402
 
 import kimi_inductor.kernels.kda_decode as K  # noqa: E402
+
+
+def fla_recurrence(R: int, q: int, H: int, D: int, state: torch.Tensor):
+    """fla's decode recurrence on ``state`` [R, H, D, D] (fp32, updated in place), or None."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        return None
+    T = R * q
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkvg = [torch.randn(1, T, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4)]
+    beta = torch.randn(1, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    a_log, dt_bias = torch.zeros(H, device="cuda"), torch.zeros(H * D, device="cuda")
+    cu = torch.arange(0, T + 1, q, dtype=torch.long, device="cuda")
+    return lambda i: fused_recurrent_kda_fwd(*qkvg, beta, A_log=a_log, dt_bias=dt_bias, initial_state=state,
+                                             inplace_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                             lower_bound=-5.0)
 
 
 def main(argv=None) -> Results:
@@ -49,6 +70,9 @@ def main(argv=None) -> Results:
                 row[f"ours_w{w}_us"] = graph_time_us(
                     lambda i: K._kda_decode_kernel[(R, H)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
                                                                  num_warps=w))
+            fla = fla_recurrence(R, q, H, D, torch.zeros(R, H, D, D, device="cuda"))
+            if fla is not None:
+                row["fla_recurrence_us"] = graph_time_us(fla)
             res.add(**row)
     if args.json:
         res.dump(args.json)

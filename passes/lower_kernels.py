@@ -130,7 +130,7 @@ class LowerKernels:
             if not isinstance(M, int):
                 why = "symbolic rows"
             else:
-                why = skinny_gemm.supported(M, N, K, x.meta["val"].dtype) or skinny_gemm.preferred(M, N, K)
+                impl, why = skinny_gemm.choose(M, N, K, x.meta["val"].dtype)
             if why:
                 kept[f"GEMM {N}x{K}: {why}"] += 1
                 continue

@@ -1,19 +1,20 @@
-"""kimi_kernels::skinny_mm against torch's GEMMs (bf16 out: within one bf16 ulp)."""
+"""kimi_kernels::skinny_mm and its implementations against fp32 GEMMs (bf16 out: within one
+bf16 ulp); the CuTe DSL GEMV compiles for sm_90a without a GPU."""
 
 import pytest
 import torch
 
-import kimi_inductor.kernels  # noqa: F401
+from kimi_inductor.kernels import skinny_gemm
+from kimi_inductor.kernels.skinny_gemm import tl_dot
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): TP8 per-rank shapes on the GPU; small ones (incl. a K split) in the interpreter
 SHAPES = [(6288, 7168), (7168, 1536), (896, 7168), (2304, 1536)] if DEVICE == "cuda" else [(48, 64), (32, 2048)]
+OUTS = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)]
+needs_cute = pytest.mark.skipif(bool(skinny_gemm.cute_available()), reason=skinny_gemm.cute_available() or "")
 
 
-@pytest.mark.parametrize("N, K", SHAPES)
-@pytest.mark.parametrize("M", [1, 5, 16, 64])
-@pytest.mark.parametrize("out_dtype, with_acc", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
-def test_skinny_mm_matches_torch(M, N, K, out_dtype, with_acc):
+def operands(M, N, K, out_dtype, with_acc):
     g = torch.Generator().manual_seed(M + N + K)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(N, K, generator=g) * K**-0.5).to(torch.bfloat16)
@@ -21,8 +22,92 @@ def test_skinny_mm_matches_torch(M, N, K, out_dtype, with_acc):
     want = x.float() @ w.float().t()  # exact products, fp32 sums
     if acc is not None:
         want = want + acc.float()
-    got = torch.ops.kimi_kernels.skinny_mm(x.to(DEVICE), w.to(DEVICE), None if acc is None else acc.to(DEVICE),
-                                           out_dtype).cpu()
-    assert got.dtype == out_dtype and got.shape == (M, N)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, w, acc)]
+    return dev, want
+
+
+def check(got, want, out_dtype):
+    got = got.cpu()
+    assert got.dtype == out_dtype and got.shape == want.shape
     ulp = 2.0**-7 if out_dtype == torch.bfloat16 else 1e-5
     assert ((got.float() - want).abs() <= ulp * want.abs().clamp_min(1.0) + 1e-3).all()
+
+
+@pytest.mark.parametrize("N, K", SHAPES)
+@pytest.mark.parametrize("M", [1, 5, 16, 64])
+@pytest.mark.parametrize("out_dtype, with_acc", OUTS)
+def test_skinny_mm_matches_torch(M, N, K, out_dtype, with_acc):
+    """The Triton kernel (the op itself in the interpreter); on the GPU the op runs what
+    ``choose`` names (cuBLAS may reduce in bf16, so it is compared with torch's GEMM)."""
+    (x, w, acc), want = operands(M, N, K, out_dtype, with_acc)
+    got = torch.ops.kimi_kernels.skinny_mm(x, w, acc, out_dtype)
+    if DEVICE == "cpu":
+        check(got, want, out_dtype)
+        return
+    check(tl_dot.run(x, w, acc, out_dtype), want, out_dtype)
+    impl = skinny_gemm.choose(M, N, K, x.dtype)[0]
+    if impl == "cublas":
+        assert torch.equal(got, skinny_gemm.reference(x, w, acc, out_dtype))
+    else:
+        check(got, want, out_dtype)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N, K", SHAPES + [(3648, 7168)])
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+@pytest.mark.parametrize("out_dtype, with_acc", OUTS)
+def test_cute_gemv_matches_torch(M, N, K, out_dtype, with_acc):
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    (x, w, acc), want = operands(M, N, K, out_dtype, with_acc)
+    base = cute_gemv.config(M, N, K)
+    for cfg in {base, base._replace(split=1), base._replace(r=1)}:
+        if cute_gemv.supported(M, N, K, cfg):
+            continue
+        outs = [cute_gemv.run(x, w, acc, out_dtype, cfg) for _ in range(3)]  # counters reset between calls
+        check(outs[0], want, out_dtype)
+        assert all(torch.equal(o, outs[0]) for o in outs)  # deterministic split-K
+
+
+@needs_cute
+@pytest.mark.parametrize("M, N, K", [(1, 6288, 7168), (8, 896, 7168), (4, 2304, 1536)])
+def test_cute_gemv_compiles_for_sm90a(M, N, K):
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    cfg = cute_gemv.config(M, N, K)
+    assert not cute_gemv.supported(M, N, K, cfg)
+    exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a")
+    assert exe.has_gpu_module
+
+
+def test_dispatch_names_its_reason():
+    assert skinny_gemm.choose(128, 6288, 7168, torch.bfloat16) == ("cublas", "128 rows (> 64: cuBLAS/Inductor territory)")
+    impl, why = skinny_gemm.choose(64, 48, 64, torch.bfloat16)  # a shape never measured
+    assert impl == "cublas" and "fastest" in why
+    assert skinny_gemm.choose(8, 12288, 7168, torch.bfloat16) == ("tl_dot", "")
+    assert skinny_gemm.choose(1, 6288, 7168, torch.bfloat16) == (
+        ("cute_gemv", "") if not skinny_gemm.cute_available() else ("cublas", skinny_gemm.cute_available()))
+    assert skinny_gemm.choose(1, 6288, 7168, torch.float32)[0] == "cublas"  # the GEMV reads bf16 only
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_cute_gemv_in_cuda_graph():
+    """Captured on torch's capture stream and replayed on new inputs (split-K counters reset)."""
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    M, N, K = 2, 896, 7168
+    (x, w, acc), _ = operands(M, N, K, torch.bfloat16, True)
+    assert cute_gemv.config(M, N, K).split > 1
+    cute_gemv.run(x, w, acc, torch.bfloat16)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cute_gemv.run(x, w, acc, torch.bfloat16)
+    for seed in range(3):
+        x.copy_(torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+        graph.replay()
+        want = x.float().cpu() @ w.float().cpu().t() + acc.float().cpu()
+        check(out, want, torch.bfloat16)

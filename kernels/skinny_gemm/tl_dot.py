@@ -1,56 +1,19 @@
-"""``kimi_kernels::skinny_mm``: decode-size GEMMs ``[acc +] x W^T`` for M <= 64 rows.
+"""Triton split-K skinny GEMM (tensor-core ``tl.dot``), for 8 < M <= 64 and off-GPU tests.
 
-Semantics: ``out = (acc + x @ W^T)`` with x [M, K], W [N, K] (the weight as stored, no
-transpose copy), fp32 accumulation, one rounding to ``out_dtype`` (bf16, or fp32 for
-the MoE router's logits). ``acc`` (optional, [M, N]) is the addmm accumulator of the
-latent MoE tail (the shared experts' output).
-
-Decode GEMMs stream the weight once: the byte floor of one call is
-``N K s_w + M K s_x + M N s_o`` (s = bytes per element); at M <= 64 the weight is
-all of it (e.g. the TP8 KDA in-projection, 6288 x 7168 bf16: 90 MB -> 21.1 us at
-4.28 TB/s). The kernel tiles N into BN-column slabs (one program each) and, when that
-leaves too few programs to keep every SM streaming, splits K into SPLIT chunks whose
-fp32 partials a second kernel sums in a fixed order (deterministic: replicated GEMMs
-must give every rank the same bits). x is padded to BM >= 16 rows for ``tl.dot``.
-
-Implementations: Triton on CUDA (and under ``TRITON_INTERPRET=1`` on CPU, where the
-dot runs in fp32: the interpreter's bf16 dot is wrong); ``torch`` elsewhere.
+x is padded to BM >= 16 rows for ``tl.dot``; W is tiled into BN-column slabs (one program
+each) and, when that leaves too few programs to keep every SM streaming, K is split into
+SPLIT chunks whose fp32 partials a second kernel sums in a fixed order (deterministic).
+Under ``TRITON_INTERPRET=1`` the dot runs in fp32 (the interpreter's bf16 dot is wrong).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from .common import INTERPRET, tl, triton
+from ..common import INTERPRET, tl, triton
 
-NAMESPACE = "kimi_kernels"
-MAX_ROWS = 64
 SMS = 132  # H200; more programs than SMs keep every SM streaming
-# (N, K) -> the most rows at which this kernel beat cuBLAS on H200 inside CUDA graphs
-# (benchmarks/gemm.py, docs/results/gemm_h200_v1.json); elsewhere cuBLAS stays.
-FASTER_THAN_CUBLAS = {(12288, 7168): 8}
-
-
-def preferred(M: int, N: int, K: int) -> str:
-    """Why cuBLAS stays for this GEMM ('' when this kernel is faster)."""
-    if M > FASTER_THAN_CUBLAS.get((N, K), 0):
-        return "cuBLAS is faster at this shape on H200 (docs/results/gemm_h200_v1.json)"
-    return ""
-
-
-def supported(M: int, N: int, K: int, dtype: torch.dtype) -> str:
-    if triton is None:
-        return "Triton is not installed"
-    if M > MAX_ROWS:
-        return f"{M} rows (> {MAX_ROWS}: cuBLAS/Inductor territory)"
-    if dtype not in (torch.bfloat16, torch.float32):
-        return f"dtype {dtype}"
-    if K % 8 or N % 8:
-        return f"N={N}, K={K} not multiples of 8"
-    return ""
 
 
 def config(M: int, N: int, K: int) -> dict[str, int]:
@@ -107,18 +70,10 @@ if triton is not None:
         tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _fake(x, weight, acc, out_dtype):
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
-
-@torch.library.custom_op(f"{NAMESPACE}::skinny_mm", mutates_args=())
-def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     M, K = x.shape
     N = weight.shape[0]
-    interpret = INTERPRET
-    if not (x.is_cuda or interpret) or supported(M, N, K, x.dtype):
-        return reference(x, weight, acc, out_dtype)
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and (acc is None or acc.stride(1) == 1)
     cfg = config(M, N, K)
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     split = cfg["SPLIT"]
@@ -126,20 +81,9 @@ def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch
     acc_arg = acc if acc is not None else out
     grid = (triton.cdiv(N, cfg["BN"]), split)
     _mm_kernel[grid](x, weight, acc_arg, out, ws, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0),
-                     out.stride(0), HAS_ACC=acc is not None, DOT_F32=interpret, num_warps=4, num_stages=4, **cfg)
+                     out.stride(0), HAS_ACC=acc is not None, DOT_F32=INTERPRET, num_warps=4, num_stages=4, **cfg)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(M * N, block),)](ws, acc_arg, out, M, N, acc_arg.stride(0), out.stride(0),
                                                           SPLIT=split, BLOCK=block, HAS_ACC=acc is not None)
     return out
-
-
-skinny_mm.register_fake(_fake)
-
-
-def reference(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """``[acc +] x W^T`` as stock computes it (addmm / mm, or fp32 logits from bf16)."""
-    if out_dtype == x.dtype:
-        return torch.addmm(acc, x, weight.t()) if acc is not None else x @ weight.t()
-    out = x.to(out_dtype) @ weight.to(out_dtype).t()
-    return out + acc.to(out_dtype) if acc is not None else out

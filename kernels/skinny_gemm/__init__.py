@@ -1,0 +1,122 @@
+"""``kimi_kernels::skinny_mm``: decode-size GEMMs ``[acc +] x W^T`` for M <= 64 rows.
+
+Semantics: ``out = (acc + x @ W^T)`` with x [M, K], W [N, K] (the weight as stored, no
+transpose copy), fp32 accumulation, one rounding to ``out_dtype`` (bf16, or fp32 for
+the MoE router's logits). ``acc`` (optional, [M, N]) is the addmm accumulator of the
+latent MoE tail (the shared experts' output).
+
+Decode GEMMs stream the weight once: the byte floor of one call is
+``N K s_w + M K s_x + M N s_o`` (s = bytes per element); at M <= 64 the weight is
+all of it (e.g. the TP8 KDA in-projection, 6288 x 7168 bf16: 90 MB -> 21.1 us at
+4.28 TB/s).
+
+Implementations, each deterministic (replicated GEMMs give every rank the same bits):
+  * ``cute_gemv``: CuTe DSL, CUDA-core split-K GEMV with a last-CTA reduction, M <= 8
+    (SM90 / SM100; needs ``nvidia-cutlass-dsl``);
+  * ``tl_dot``: Triton, tensor-core split-K with a second summing kernel, M <= 64; also
+    what runs under ``TRITON_INTERPRET=1`` on CPU;
+  * cuBLAS (``reference``), wherever it measured faster.
+Dispatch (``choose``): the fastest of the three per (N, K, M) as measured on H200 inside
+CUDA graphs (``FASTEST``); shapes not measured stay on cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..common import INTERPRET, triton
+from . import tl_dot
+
+NAMESPACE = "kimi_kernels"
+MAX_ROWS = 64
+RESULTS = "docs/results/gemm_h200_v2.json"
+# (N, K) -> ((up to M rows, implementation), ...): the fastest on H200 per row count
+# (benchmarks/gemm.py, RESULTS); rows past the last entry stay on cuBLAS.
+FASTEST: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
+    (6288, 7168): ((2, "cute_gemv"),),  # KDA in-projection
+    (7168, 1536): ((2, "cute_gemv"),),  # attention o-projection
+    (3648, 7168): ((2, "cute_gemv"),),  # MLA q_a + kv_a + gate
+    (2304, 1536): ((2, "cute_gemv"),),  # MLA q_b
+    (896, 7168): ((2, "cute_gemv"),),  # MoE router (fp32 logits)
+    (3584, 7168): ((2, "cute_gemv"),),  # MoE latent down
+    (7168, 3584): ((4, "cute_gemv"),),  # MoE latent up
+    (12288, 7168): ((2, "cute_gemv"), (16, "tl_dot")),  # shared experts gate_up (SP, replicated)
+    (7168, 6144): ((4, "cute_gemv"),),  # shared experts down (SP, replicated)
+}
+
+
+@functools.lru_cache(maxsize=None)
+def cute_available() -> str:
+    """'' when CuTe DSL imports, else why not."""
+    try:
+        from . import cute_gemv  # noqa: F401
+    except ImportError as e:
+        return f"CuTe DSL is not installed ({e.name})"
+    return ""
+
+
+def supported(M: int, N: int, K: int, dtype: torch.dtype) -> str:
+    """Why no implementation covers this GEMM ('' when one does)."""
+    if triton is None:
+        return "Triton is not installed"
+    if M > MAX_ROWS:
+        return f"{M} rows (> {MAX_ROWS}: cuBLAS/Inductor territory)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"dtype {dtype}"
+    if K % 8 or N % 8:
+        return f"N={N}, K={K} not multiples of 8"
+    return ""
+
+
+def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
+    """(implementation, why): 'cute_gemv', 'tl_dot' or 'cublas' with the reason cuBLAS stays."""
+    why = supported(M, N, K, dtype)
+    if why:
+        return "cublas", why
+    impl = next((impl for rows, impl in FASTEST.get((N, K), ()) if M <= rows), "")
+    if not impl:
+        return "cublas", f"cuBLAS is the fastest at this shape on H200 ({RESULTS})"
+    if impl == "cute_gemv":
+        why = cute_available() or (dtype != torch.bfloat16 and f"dtype {dtype}") or _cute().supported(M, N, K)
+        if why:
+            return "cublas", why
+    return impl, ""
+
+
+def _cute():
+    from . import cute_gemv
+
+    return cute_gemv
+
+
+def _fake(x, weight, acc, out_dtype):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::skinny_mm", mutates_args=())
+def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    if INTERPRET and not x.is_cuda and not supported(M, N, K, x.dtype):
+        return tl_dot.run(x.contiguous(), weight, acc, out_dtype)
+    impl = choose(M, N, K, x.dtype)[0] if x.is_cuda else "cublas"
+    if impl == "cublas":
+        return reference(x, weight, acc, out_dtype)
+    assert weight.stride(1) == 1 and (acc is None or acc.is_contiguous())
+    run = _cute().run if impl == "cute_gemv" else tl_dot.run
+    return run(x.contiguous(), weight if impl == "tl_dot" else weight.contiguous(), acc, out_dtype)
+
+
+skinny_mm.register_fake(_fake)
+
+
+def reference(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """``[acc +] x W^T`` as stock computes it (addmm / mm, or fp32 logits from bf16)."""
+    if out_dtype == x.dtype:
+        return torch.addmm(acc, x, weight.t()) if acc is not None else x @ weight.t()
+    out = x.to(out_dtype) @ weight.to(out_dtype).t()
+    return out + acc.to(out_dtype) if acc is not None else out

@@ -1,0 +1,224 @@
+"""CuTe DSL split-K GEMV for decode rows (M <= 8): ``out = [acc +] x W^T``, SM90 / SM100.
+
+At M <= 8 a decode GEMM is a weight stream: the CUDA cores keep up with 4.28 TB/s (M FMAs
+per weight element), so the kernel needs no tensor cores, only many bytes in flight.
+
+Layout of the work. x [M, K] and W [N, K] are K-contiguous bf16. A CTA of WARPS warps owns
+WARPS * R consecutive outputs n and one K chunk of K / SPLIT; warp w takes outputs
+n0 + w R .. n0 + w R + R - 1. Its 32 lanes stride the chunk in 16-byte vectors (8 elements,
+256 per warp step); each step issues R streaming weight loads (evict-first: the weights
+never fit in L2) and M cached x loads (x is re-read by every CTA: L1/L2 hits), unrolled U
+steps deep for memory-level parallelism. Per lane M x R fp32 partial sums, then a warp
+butterfly reduction.
+
+Split-K without a second kernel: with SPLIT > 1 each CTA writes its fp32 partials to
+``ws[split, m, n]``, fences, and bumps the tile's arrival counter; the CTA that arrives
+last sums the SPLIT partials in split order (deterministic: every TP rank gets the same
+bits), adds ``acc``, rounds once to the output dtype and resets the counter to 0 for the
+next call. Each compiled shape has its own zeroed counters, allocated with its executor
+before CUDA-graph capture: two GEMMs of one shape must not run concurrently on two
+streams.
+
+Constraints (checked by ``supported``): K % (256 SPLIT) == 0, N % R == 0, 16-byte aligned
+rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, const_expr
+from cuda.bindings.driver import CUstream
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+VEC = 8  # bf16 elements per 16-byte load
+WARP = 32
+STEP = WARP * VEC  # K elements one warp covers per step
+MAX_ROWS = 8
+SMS = 132  # H200
+DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: Float32, torch.int32: Int32}
+
+
+class Config(NamedTuple):
+    r: int  # outputs per warp
+    warps: int  # warps per CTA
+    split: int  # K chunks (CTAs per output tile)
+    unroll: int  # warp steps in flight
+
+
+def config(M: int, N: int, K: int) -> Config:
+    """Two outputs per warp up to 4 rows, four from there (x loads per weight load fall
+    with R); K split until about four 128-thread CTAs per SM stream, keeping at least two
+    warp steps per chunk. The best or within 5 % of the best of a sweep over R and the
+    split at the TP8 shapes on H200 for M <= 4 (docs/results/gemm_h200_v2.json)."""
+    r = 2 if M <= 4 else 4
+    warps = 4
+    tiles = -(-N // (warps * r))
+    steps = K // STEP
+    split = 1
+    for d in range(1, steps + 1):
+        if steps % d == 0 and steps // d >= 2:
+            split = d
+            if tiles * d >= 4 * SMS:
+                break
+    return Config(r, warps, split, min(4, steps // split))
+
+
+def supported(M: int, N: int, K: int, cfg: Config | None = None) -> str:
+    cfg = cfg or config(M, N, K)
+    if M > MAX_ROWS:
+        return f"{M} rows (> {MAX_ROWS}: the CUDA cores no longer keep up with the weight stream)"
+    if M * cfg.r > WARP:
+        return f"{M} rows x {cfg.r} outputs per warp exceed the {WARP} lanes that write them"
+    if K % (STEP * cfg.split) or N % cfg.r:
+        return f"N={N}, K={K}: K must split into whole {STEP}-element warp steps"
+    return ""
+
+
+class SplitKGemv:
+    """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
+
+    def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype):
+        self.rows, self.r, self.warps, self.split, self.unroll = rows, r, warps, split, unroll
+        self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
+        self.tile = warps * r
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, acc: cute.Tensor, out: cute.Tensor, ws: cute.Tensor,
+                 counters: cute.Tensor, stream: CUstream):
+        n = cute.size(w, mode=[0])
+        k = cute.size(w, mode=[1])
+        bits = VEC * self.in_dtype.width
+        load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), self.in_dtype, num_bits_per_copy=bits,
+                                     load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+        load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), self.in_dtype, num_bits_per_copy=bits,
+                                     load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
+        self.kernel(x, w, acc, out, ws, counters, n, k, load_w, load_x).launch(
+            grid=[cute.ceil_div(n, self.tile), self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, acc: cute.Tensor, out: cute.Tensor, ws: cute.Tensor,
+               counters: cute.Tensor, n: Int32, k: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+        rows: cutlass.Constexpr = self.rows
+        r: cutlass.Constexpr = self.r
+        split: cutlass.Constexpr = self.split
+        tile: cutlass.Constexpr = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, s, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        n0 = bx * tile + warp * r
+
+        # (row, (vector, k vector)) views: one 16-byte load is the slice [row, (None, kv)]
+        xv = cute.logical_divide(x, (None, VEC))
+        wv = cute.logical_divide(w, (None, VEC))
+        steps = k // (STEP * split)
+        kv0 = s * steps * WARP + lane
+
+        part = cute.make_rmem_tensor(cute.make_layout((rows, r), stride=(r, 1)), Float32)
+        part.fill(0.0)
+        xr = cute.make_rmem_tensor(cute.make_layout((rows, VEC), stride=(VEC, 1)), self.in_dtype)
+        wr = cute.make_rmem_tensor(cute.make_layout((r, VEC), stride=(VEC, 1)), self.in_dtype)
+        if n0 < n:
+            for t in cutlass.range(steps, unroll=self.unroll):
+                kv = kv0 + t * WARP
+                for j in cutlass.range_constexpr(r):
+                    cute.copy(load_w, wv[n0 + j, (None, kv)], wr[j, None])
+                for m in cutlass.range_constexpr(rows):
+                    cute.copy(load_x, xv[m, (None, kv)], xr[m, None])
+                xf = xr.load().to(Float32)
+                wf = wr.load().to(Float32)
+                for e in cutlass.range_constexpr(VEC):
+                    for m in cutlass.range_constexpr(rows):
+                        for j in cutlass.range_constexpr(r):
+                            part[m, j] = part[m, j] + xf[m, e] * wf[j, e]
+            for m in cutlass.range_constexpr(rows):
+                for j in cutlass.range_constexpr(r):
+                    part[m, j] = cute.arch.warp_reduction_sum(part[m, j])
+
+        if const_expr(split == 1):
+            if n0 < n:
+                for m in cutlass.range_constexpr(rows):
+                    for j in cutlass.range_constexpr(r):
+                        if lane == m * r + j:
+                            total = part[m, j]
+                            if const_expr(self.has_acc):
+                                total = total + acc[m, n0 + j].to(Float32)
+                            out[m, n0 + j] = total.to(self.out_dtype)
+        else:
+            if n0 < n:
+                for m in cutlass.range_constexpr(rows):
+                    for j in cutlass.range_constexpr(r):
+                        if lane == m * r + j:
+                            ws[s, m, n0 + j] = part[m, j]
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            flag = cute.make_rmem_tensor(cute.make_layout(1), Int32)
+            smem = cutlass.memory.SmemAllocator()
+            last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+            if tidx == 0:
+                arrived = cute.arch.atomic_add((counters.iterator + bx).llvm_ptr, Int32(1), sem="acq_rel",
+                                               scope="gpu")
+                last[0] = Int32(arrived == split - 1)
+            cute.arch.sync_threads()
+            flag[0] = last[0]
+            if flag[0] != 0:
+                cute.arch.fence_acq_rel_gpu()
+                if tidx < tile * rows:
+                    m = tidx // tile
+                    nn = bx * tile + tidx % tile
+                    if nn < n:
+                        total = Float32(0.0)
+                        for i in cutlass.range_constexpr(split):
+                            total = total + ws[i, m, nn]
+                        if const_expr(self.has_acc):
+                            total = total + acc[m, nn].to(Float32)
+                        out[m, nn] = total.to(self.out_dtype)
+                if tidx == 0:
+                    counters[bx] = Int32(0)
+
+
+def _fake(dtype, shape):
+    return make_fake_compact_tensor(DTYPES[dtype], shape, stride_order=tuple(reversed(range(len(shape)))),
+                                    assumed_align=16)
+
+
+def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = ""):
+    """The executor for one shape (compiled against fake tensors: no GPU or data needed;
+    called with torch tensors, it launches on torch's current stream, CUDA graphs included);
+    ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU."""
+    kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype])
+    args = (_fake(torch.bfloat16, (M, K)), _fake(torch.bfloat16, (N, K)), _fake(out_dtype, (M, N)),
+            _fake(out_dtype, (M, N)), _fake(torch.float32, (cfg.split, M, N)), _fake(torch.int32, (tiles(N, cfg),)),
+            make_fake_stream(use_tvm_ffi_env_stream=True))  # launches on torch's current stream
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, *args, options=options)
+
+
+def tiles(N: int, cfg: Config) -> int:
+    return -(-N // (cfg.warps * cfg.r))
+
+
+_executors: dict[tuple, tuple[object, torch.Tensor]] = {}  # key -> (executor, its tiles' arrival counters)
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dtype: torch.dtype,
+        cfg: Config | None = None) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = cfg or config(M, N, K)
+    key = (M, N, K, acc is not None, out_dtype, cfg, x.device.index)
+    if key not in _executors:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
+                               "warm up the step before capturing it")
+        counters = torch.zeros(tiles(N, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
+        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg), counters
+    exe, counters = _executors[key]
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    ws = torch.empty(cfg.split, M, N, dtype=torch.float32, device=x.device)
+    exe(x, weight, acc if acc is not None else out, out, ws, counters)
+    return out
