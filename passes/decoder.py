@@ -35,7 +35,8 @@ kimi = torch.ops.kimi
 aten = torch.ops.aten
 
 ATTENTION_CORES = {kimi.kda_decode.default: "kda", kimi.mla_decode.default: "mla",
-                   kimi.dsa_decode.default: "dsa", torch.ops.kimi_kernels.kda_decode.default: "kda",
+                   kimi.dsa_decode.default: "dsa", torch.ops.kimi_kernels.dsa_decode.default: "dsa",
+                   torch.ops.kimi_kernels.kda_decode.default: "kda",
                    torch.ops.kimi_kernels.mla_decode.default: "mla",
                    kimi.mla_decode_dcp.default: "mla", torch.ops.kimi_kernels.mla_decode_dcp.default: "mla"}
 DCP_CORES = {kimi.mla_decode_dcp.default, torch.ops.kimi_kernels.mla_decode_dcp.default}  # "dsa" with a selection

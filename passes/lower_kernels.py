@@ -11,6 +11,7 @@ Matches and produces (M = rows, at most 64):
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
     kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
+    kimi.dsa_decode(...)  (DSA, no DCP)             kimi_kernels.dsa_decode(...)
 
 Each replacement computes the same function (the kernels' CPU references are the
 replaced ops; on CPU the lowered graph is bitwise the unlowered one). A GEMM with
@@ -43,7 +44,8 @@ from .report import PassInfo
 
 aten, prims = torch.ops.aten, torch.ops.prims
 MLA_CORES = {torch.ops.kimi.mla_decode.default: torch.ops.kimi_kernels.mla_decode.default,
-             torch.ops.kimi.mla_decode_dcp.default: torch.ops.kimi_kernels.mla_decode_dcp.default}
+             torch.ops.kimi.mla_decode_dcp.default: torch.ops.kimi_kernels.mla_decode_dcp.default,
+             torch.ops.kimi.dsa_decode.default: torch.ops.kimi_kernels.dsa_decode.default}
 
 
 def _weight(node) -> fx.Node | None:
@@ -117,7 +119,8 @@ class LowerKernels:
             if why:
                 kept[f"MLA core: {why}"] += 1
                 continue
-            per_node[_swap(g, call, MLA_CORES[call.op], dict(call.node.kwargs))] = "mla"
+            kind = "dsa" if call.op is torch.ops.kimi.dsa_decode.default else "mla"
+            per_node[_swap(g, call, MLA_CORES[call.op], dict(call.node.kwargs))] = kind
             info.rewritten += 1
         for node in list(g.nodes):
             gemm = match_gemm(node)
@@ -181,8 +184,9 @@ def _region(src, dst):
     return _between(src, dst) if src is not None and dst is not None else set()
 
 
+LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM"}
+
+
 def _summary(nodes, per_node) -> str:
     c = Counter(per_node[n] for n in nodes)
-    parts = ([f"fused KDA x{c['kda']}"] if c["kda"] else []) + ([f"MLA core x{c['mla']}"] if c["mla"] else []) \
-        + ([f"skinny GEMM x{c['gemm']}"] if c["gemm"] else [])
-    return ", ".join(parts) or "stock"
+    return ", ".join(f"{label} x{c[kind]}" for kind, label in LABELS.items() if c[kind]) or "stock"

@@ -70,13 +70,20 @@ def dsa_decode(
 ) -> Tensor:
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
     write_cache(index_cache, slot_mapping, index_k)
+    selected = select_topk(index_q, index_w, index_cache, block_table, seq_lens, topk)
+    return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected)
+
+
+def select_topk(index_q: Tensor, index_w: Tensor, index_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                topk: int) -> Tensor:
+    """The indexer's choice over the (written) index cache: [R, q, W] bool, W the block
+    table's capacity; index_q [T, n, d], index_w [T, n] with T = R q."""
     R = block_table.shape[0]
-    q = ql_nope.shape[0] // R
+    q = index_q.shape[0] // R
     keys = gather_context(index_cache, block_table)
     visible = causal_mask(seq_lens, q, keys.shape[1])
-    selected = topk_mask(index_scores(index_q.view(R, q, *index_q.shape[1:]), index_w.view(R, q, -1), keys,
-                                      visible), topk)
-    return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected)
+    return topk_mask(index_scores(index_q.view(R, q, *index_q.shape[1:]), index_w.view(R, q, -1), keys, visible),
+                     topk)
 
 
 def select_topk_dcp(scores: Tensor, topk: int, block_local: int, par: Parallel) -> Tensor:

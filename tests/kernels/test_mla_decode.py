@@ -82,3 +82,25 @@ def test_dcp_partials_match_stock(N, L, RD, block, per_req, rank, with_selection
 def test_splits_use_static_sizes_only():
     assert M.splits(1, 1, 64 * 1024) == 64 and M.splits(64, 2, 4096) == 3 and M.splits(1, 1, 16) == 1
     assert [M.row_block(n) for n in (1, 12, 24, 96)] == [16, 16, 32, 64]
+
+
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
+@pytest.mark.parametrize("R, q", [(3, 1), (2, 4)])
+def test_dsa_matches_stock(N, L, RD, block, per_req, R, q):
+    """DSA without DCP: stock's indexer top-k (a quarter of the capacity), then the kernel
+    over the selected positions; both caches written as stock writes them."""
+    args, scale = _case(R, q, N, L, RD, block, per_req, torch.bfloat16, seed=R + q)
+    ql, qp, kv_c, k_pe, cache, slots, table, seq = args
+    g = torch.Generator().manual_seed(7)
+    n_idx, d_idx = 2, 16
+    index_cache = torch.randn(cache.shape[0], block, d_idx, generator=g).to(torch.bfloat16).to(DEVICE)
+    index = [torch.randn(R * q, n_idx, d_idx, generator=g).to(torch.bfloat16).to(DEVICE),
+             torch.randn(R * q, d_idx, generator=g).to(torch.bfloat16).to(DEVICE),
+             torch.rand(R * q, n_idx, generator=g).to(torch.bfloat16).to(DEVICE)]
+    full = (ql, qp, kv_c, k_pe, *index, cache, index_cache, slots, table, seq, per_req * block // 4, scale)
+    mine = [a.clone() if isinstance(a, torch.Tensor) else a for a in full]
+    want = torch.ops.kimi.dsa_decode(*full)
+    got = torch.ops.kimi_kernels.dsa_decode(*mine)
+    assert torch.equal(mine[7], cache) and torch.equal(mine[8], index_cache)
+    bound = 2**-6 * want.float().abs().amax(-1, keepdim=True) + 1e-6
+    assert ((got.float() - want.float()).abs() <= bound).all()
