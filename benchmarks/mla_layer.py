@@ -1,13 +1,16 @@
-"""One MLA layer decode step at TP8 per-rank shapes (12 of 96 heads, hidden 7168, latent
-512 + rope 64, a paged cache of 64-token blocks, every request at ``--context`` tokens):
-fused_qkv_a_g -> norms -> q_b -> absorption -> MLA core (cache write + attention) ->
+"""One MLA (or K3.1 DSA) layer decode step at TP8 per-rank shapes (12 of 96 heads, hidden
+7168, latent 512 + rope 64, a paged cache of 64-token blocks, every request at
+``--context`` tokens): fused_qkv_a_g -> norms -> q_b -> absorption -> [DSA: indexer
+projections, index-cache write, scores, top-2048] -> core (cache write + attention) ->
 v up-projection -> output gate -> o_proj partial (no AttnRes, no all-reduce).
-kimi_specialized (``lower_kernels``: the split-KV Triton core) vs stock compiled by
-Inductor (through the stock math) vs the byte floor (weights, the cache rows read,
-activations), inside CUDA graphs.
+kimi_specialized (``lower_kernels``: the split-KV Triton core, with DSA's selection mask)
+vs stock compiled by Inductor (through the stock math) vs the byte floor (weights, the
+cache rows the layer must read: all of them for MLA; for DSA the index cache plus only
+the top-k latent rows, activations), inside CUDA graphs.
 
     python benchmarks/mla_layer.py --rows 1 8 32 64 --q 1 4 --context 4096 --json mla.json
-    python benchmarks/mla_layer.py --smoke      # CPU, tiny shapes: checks the script runs
+    python benchmarks/mla_layer.py --kind dsa --rows 1 8 32 64 --q 1 --context 8192 --json dsa.json
+    python benchmarks/mla_layer.py --smoke [--kind dsa]   # CPU, tiny shapes: checks the script runs
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from common import Results, floor_us, graph_time_us  # noqa: E402
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
 from kimi_inductor.stock import DecodeStep, KimiK3Config, Parallel  # noqa: E402
+from kimi_inductor.stock.dsa import SparseLatentAttention  # noqa: E402
 from kimi_inductor.stock.mla import MultiHeadLatentAttention  # noqa: E402
 
 
@@ -41,14 +45,17 @@ def main(argv=None) -> Results:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--q", type=int, nargs="+", default=[1, 4])
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--kind", choices=["mla", "dsa"], default="mla")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
-    base = KimiK3Config.preset("tiny" if args.smoke else "kimi-k3")
+    dsa = args.kind == "dsa"
+    base = KimiK3Config.preset(("tiny" if args.smoke else "kimi-k3") + ("-k3.1" if dsa else ""))
     config = base.replace(num_attention_heads=base.num_attention_heads // (1 if args.smoke else 8))
-    layer = MultiHeadLatentAttention(config, Parallel(), device="meta")
+    layer = (SparseLatentAttention if dsa else MultiHeadLatentAttention)(config, Parallel(), device="meta")
+    index_dim = config.dsa_config["index_head_dim"] if dsa else 0
     block, context = (4, 16) if args.smoke else (64, args.context)
     gen = torch.Generator().manual_seed(0)
     copies = [random_params(layer, gen, device) for _ in range(1 if args.smoke else args.copies)]
@@ -57,9 +64,9 @@ def main(argv=None) -> Results:
     def step(params, x, slots, table, seq_lens, cache):
         s = DecodeStep(input_ids=seq_lens, state_slots=table, num_accepted=seq_lens, slot_mapping=slots,
                        block_table=table, seq_lens=seq_lens, is_padding=seq_lens)
-        return functional_call(layer, params, (x, s, (cache,)))
+        return functional_call(layer, params, (x, s, cache))
 
-    res = Results("mla_layer")
+    res = Results(f"{args.kind}_layer")
     for q in args.q:
         for rows in args.rows:
             if rows % q:
@@ -71,22 +78,25 @@ def main(argv=None) -> Results:
             seq_lens = torch.full((R,), context, dtype=torch.int32, device=device)
             pos = torch.arange(context - q, context, device=device)
             slots = (table.long().gather(1, (pos // block).expand(R, q)) * block + pos % block).view(-1)
-            caches = [torch.randn(1 + R * per_req, block, config.latent_row, generator=gen).to(
-                device=device, dtype=torch.bfloat16) for _ in range(1 if args.smoke else args.copies)]
+            caches = [tuple(torch.randn(1 + R * per_req, block, width, generator=gen).to(device=device,
+                                                                                      dtype=torch.bfloat16)
+                            for width in (config.latent_row, index_dim) if width)
+                      for _ in range(1 if args.smoke else args.copies)]
             stock = torch.compile(step, backend=stock_inductor, dynamic=False)
             kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"}),
                                  dynamic=False)
-            c1, c2 = caches[0].clone(), caches[0].clone()
+            c1, c2 = [tuple(c.clone() for c in caches[0]) for _ in range(2)]
             want = stock(copies[0], x, slots, table, seq_lens, c1).float()
             got = kimi(copies[0], x, slots, table, seq_lens, c2).float()
             err = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
             if args.smoke:
-                res.add(q=q, rows=rows, rel_err=err, cache_equal=bool(torch.equal(c1, c2)))
+                res.add(q=q, rows=rows, rel_err=err, cache_equal=all(map(torch.equal, c1, c2)))
                 continue
             n = len(copies)
             t_stock = graph_time_us(lambda i: stock(copies[i % n], x, slots, table, seq_lens, caches[i % n]))
             t_kimi = graph_time_us(lambda i: kimi(copies[i % n], x, slots, table, seq_lens, caches[i % n]))
-            cache_bytes = R * context * config.latent_row * 2
+            read = min(context, config.dsa_config["index_topk"]) if dsa else context
+            cache_bytes = R * (read * config.latent_row + context * index_dim) * 2
             fl = floor_us(weight_bytes + cache_bytes + 2 * rows * config.hidden_size * 2)
             res.add(q=q, rows=rows, context=context, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
                     kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
