@@ -209,7 +209,9 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
     Q = T // R
     bm = bm or row_block(Q * N)
-    bs, most_splits = bs or tiles(bm)[0], most_splits or tiles(bm)[1]
+    # fp32 activations double the tiles' shared memory: 32 positions per step then
+    bs = bs or (min(32, tiles(bm)[0]) if ql_nope.dtype == torch.float32 else tiles(bm)[0])
+    most_splits = most_splits or tiles(bm)[1]
     groups = triton.cdiv(Q * N, bm)
     capacity = block_table.shape[1] * block
     n_split = splits(R, groups, capacity, bs, most_splits)
