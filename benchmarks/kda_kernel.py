@@ -1,6 +1,6 @@
 """The fused KDA decode kernel alone (f_b GEMM + conv + gates + delta rule + gated norm)
-at TP8 per-rank heads (12 x 128): ours (per num_warps) vs the stock math compiled by
-Inductor vs the byte floor, inside CUDA graphs; and, when fla-core imports, fla's
+at TP8 per-rank heads (12 x 128): ours (per num_warps and V split) vs the stock math
+compiled by Inductor vs the byte floor, inside CUDA graphs; and, when fla-core imports, fla's
 ``fused_recurrent_kda`` (the Triton family vLLM's stock KDA comes from) on the same state:
 gates, beta, q/k L2 norm and the delta rule with the state updated in place, but no f_b
 GEMM, conv or gated norm, so it does a subset of our kernel's work.
@@ -46,7 +46,8 @@ def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--q", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--warps", type=int, nargs="+", default=[4])
+    p.add_argument("--v-split", type=int, nargs="+", default=[1, 2, 4], help="V blocks per head")
     p.add_argument("--json")
     args = p.parse_args(argv)
     H, D = 12, 128
@@ -58,18 +59,19 @@ def main(argv=None) -> Results:
             x["state_slots"][:] = (1 + torch.arange(R * q, dtype=torch.int32, device="cuda")).view(R, q)
             x["num_accepted"][:] = q
             out = torch.empty_like(x["g2"])
-            kargs = K.kernel_args(**{k: x[k] for k in ("mixed_qkv", "f_a", "f_b_weight", "g2", "beta", "conv_weight",
-                                                        "A_log", "dt_bias", "norm_weight", "conv_state",
-                                                        "recurrent_state", "state_slots", "num_accepted")},
-                                  out=out, lower_bound=-5.0, norm_eps=1e-5)
+            names = ("mixed_qkv", "f_a", "f_b_weight", "g2", "beta", "conv_weight", "A_log", "dt_bias", "norm_weight",
+                     "conv_state", "recurrent_state", "state_slots", "num_accepted")
             nbytes = (R * H * D * D * 4 * (1 + q) + H * D * D * 2 + R * (2 + q) * 3 * H * D * 2 * 2
                       + R * q * (5 * H * D + D + H) * 2)
             row = dict(q=q, requests=R, floor_us=floor_us(nbytes))
             row["inductor_us"] = graph_time_us(lambda i: stock(**x))
             for w in args.warps:
-                row[f"ours_w{w}_us"] = graph_time_us(
-                    lambda i: K._kda_decode_kernel[(R, H)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
-                                                                 num_warps=w))
+                for nv in args.v_split:
+                    kargs = K.kernel_args(**{k: x[k] for k in names}, out=out, lower_bound=-5.0, norm_eps=1e-5, nv=nv)
+                    row[f"ours_w{w}_nv{nv}_us"] = graph_time_us(
+                        lambda i: K._kda_decode_kernel[(R, H, nv)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
+                                                                   NV=nv, num_warps=w))
+            row["v_split"] = K.v_split(R, H)
             fla = fla_recurrence(R, q, H, D, torch.zeros(R, H, D, D, device="cuda"))
             if fla is not None:
                 row["fla_recurrence_us"] = graph_time_us(fla)

@@ -5,13 +5,21 @@ in: ``g1 = f_a @ f_b_weight^T`` (bf16 GEMM), i.e. f_b_proj, short conv, gates, b
 the delta rule over the q tokens of each request and the gated RMSNorm, updating the
 conv and recurrent states in place.
 
-Layout: one program per (request, head) with the head's whole fp32 state S [V, K] in
-registers (D = 128: 128 values per thread at 4 warps). The program loads the head's
+Layout: one program per (request, head, V block) with its rows of the head's fp32 state
+S [V, K] in registers (D = 128, one V block: 128 values per thread at 4 warps). The program loads the head's
 3 x 128 conv channels of history, computes g1 = f_a f_b^T for the request's q tokens in
 one dot (rounded to bf16 as stock's GEMM output), then per token: conv (4 taps) -> SiLU
 -> bf16, L2-normalised q/k, gate, beta, decay / correction / rank-1 update / readout, the
 state written to that token's slot, bf16 output -> RMSNorm * w * sigmoid(g2). Padding
 requests (first slot <= 0) store zeros and touch no state.
+
+V split (``v_split``: NV = 4 or 2 blocks when few requests leave SMs idle): every program
+of a head recomputes q, k, the gate and g1 (cheap) and owns BV = D / NV rows of S and the
+matching v channels. The gated RMSNorm spans all of V and the q/k conv channels are read
+by every program, so each program writes its pre-norm o rows to an fp32 workspace and
+bumps the head's arrival counter (acq_rel); the last to arrive writes the q/k conv
+state and normalises every token, then resets the counter (one kernel; the arrival
+order does not change any value).
 
 Byte floor of one call (R requests, H_l heads, D = 128, fp32 state): R H_l (2 x 64 KB
 state read/write) + f_b (H_l D^2 bf16) + R q (3 + 1 + 1) H_l D bf16 activations.
@@ -53,13 +61,16 @@ if triton is not None:
     def _kda_decode_kernel(
         qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
         convw_ptr, alog_ptr, dtb_ptr, normw_ptr,
-        conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, slots_ptr, acc_ptr, out_ptr, stride_out,
+        conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr, cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
+        NV: tl.constexpr,
     ):
         r = tl.program_id(0)
         h = tl.program_id(1)
+        BV: tl.constexpr = D // NV
         d = tl.arange(0, D)
+        v = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's rows of S (and v channels)
         P = H * D
         slot0 = tl.load(slots_ptr + r * Q)
         live = slot0 > 0
@@ -67,7 +78,7 @@ if triton is not None:
         start = tl.maximum(tl.load(acc_ptr + r) - 1, 0)
 
         # conv history (3 saved raw inputs) and the 4 taps of the head's q, k, v channels
-        cq, ck, cv = h * D + d, P + h * D + d, 2 * P + h * D + d
+        cq, ck, cv = h * D + d, P + h * D + d, 2 * P + h * D + v
         hist = conv_ptr + slot0 * stride_conv_s + start * stride_conv_r
         q0 = tl.load(hist + cq).to(tl.float32)
         q1 = tl.load(hist + stride_conv_r + cq).to(tl.float32)
@@ -105,19 +116,22 @@ if triton is not None:
         norm_w = tl.load(normw_ptr + d).to(tl.float32)
         start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
         head = h * D * D
-        S = tl.load(rec_ptr + start_slot * H * D * D + head + d[:, None] * D + d[None, :])  # [V, K]
+        S = tl.load(rec_ptr + start_slot * H * D * D + head + v[:, None] * D + d[None, :])  # [BV, K]
         # Every thread must have read the saved conv window and state before any thread
         # overwrites them (a token's state may land in the slot it started from, and
         # the new conv rows overlap the window; elements can be replicated across threads).
         tl.debug_barrier()
 
-        # the new conv state starts with the window's last two saved inputs
+        # the new conv state starts with the window's last two saved inputs; with a V split
+        # the q/k channels (read by every program of the head) are written by the last one
         conv_out = conv_ptr + slot0 * stride_conv_s
-        tl.store(conv_out + cq, q1.to(conv_ptr.dtype.element_ty), mask=live)
-        tl.store(conv_out + ck, k1.to(conv_ptr.dtype.element_ty), mask=live)
+        q1s, q2s, k1s, k2s = q1, q2, k1, k2
+        if NV == 1:
+            tl.store(conv_out + cq, q1.to(conv_ptr.dtype.element_ty), mask=live)
+            tl.store(conv_out + ck, k1.to(conv_ptr.dtype.element_ty), mask=live)
+            tl.store(conv_out + stride_conv_r + cq, q2.to(conv_ptr.dtype.element_ty), mask=live)
+            tl.store(conv_out + stride_conv_r + ck, k2.to(conv_ptr.dtype.element_ty), mask=live)
         tl.store(conv_out + cv, v1.to(conv_ptr.dtype.element_ty), mask=live)
-        tl.store(conv_out + stride_conv_r + cq, q2.to(conv_ptr.dtype.element_ty), mask=live)
-        tl.store(conv_out + stride_conv_r + ck, k2.to(conv_ptr.dtype.element_ty), mask=live)
         tl.store(conv_out + stride_conv_r + cv, v2.to(conv_ptr.dtype.element_ty), mask=live)
 
         for t in tl.range(0, Q, loop_unroll_factor=1):  # rolled: 1.5x faster than unrolled at q = 4
@@ -134,8 +148,9 @@ if triton is not None:
             q0, q1, q2 = q1, q2, xq
             k0, k1, k2 = k1, k2, xk
             v0, v1, v2 = v1, v2, xv
-            tl.store(conv_out + (2 + t) * stride_conv_r + cq, xq.to(conv_ptr.dtype.element_ty), mask=live)
-            tl.store(conv_out + (2 + t) * stride_conv_r + ck, xk.to(conv_ptr.dtype.element_ty), mask=live)
+            if NV == 1:
+                tl.store(conv_out + (2 + t) * stride_conv_r + cq, xq.to(conv_ptr.dtype.element_ty), mask=live)
+                tl.store(conv_out + (2 + t) * stride_conv_r + ck, xk.to(conv_ptr.dtype.element_ty), mask=live)
             tl.store(conv_out + (2 + t) * stride_conv_r + cv, xv.to(conv_ptr.dtype.element_ty), mask=live)
 
             qn = yq / tl.sqrt(tl.sum(yq * yq, 0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
@@ -151,12 +166,40 @@ if triton is not None:
             slot_t = tl.load(slots_ptr + r * Q + t)
             keep = live & (slot_t > 0)
             slot_t = tl.maximum(slot_t, 0).to(tl.int64)
-            tl.store(rec_ptr + slot_t * H * D * D + head + d[:, None] * D + d[None, :], S, mask=keep)
+            tl.store(rec_ptr + slot_t * H * D * D + head + v[:, None] * D + d[None, :], S, mask=keep)
+            if NV == 1:
+                _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
+            else:
+                tl.store(ws_ptr + (row * H + h) * D + v, o)
 
-            g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d).to(tl.float32)
-            y = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * norm_w * tl.sigmoid(g2)
-            y = tl.where(live, bf16_round(y, ROUND), 0.0)
-            tl.store(out_ptr + row * stride_out + h * D + d, y.to(out_ptr.dtype.element_ty))
+        if NV > 1:
+            # the head's last program to arrive (every other one has read the conv window
+            # and written its o rows) writes the q/k conv channels and normalises
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + r * H + h, 1, sem="acq_rel", scope="gpu")
+            if arrived == NV - 1:
+                tl.store(cnt_ptr + r * H + h, 0)
+                tl.store(conv_out + cq, q1s.to(conv_ptr.dtype.element_ty), mask=live)
+                tl.store(conv_out + ck, k1s.to(conv_ptr.dtype.element_ty), mask=live)
+                tl.store(conv_out + stride_conv_r + cq, q2s.to(conv_ptr.dtype.element_ty), mask=live)
+                tl.store(conv_out + stride_conv_r + ck, k2s.to(conv_ptr.dtype.element_ty), mask=live)
+                for t in tl.range(0, Q, loop_unroll_factor=1):
+                    row = r * Q + t
+                    xq = tl.load(qkv_ptr + row * stride_qkv + cq)
+                    xk = tl.load(qkv_ptr + row * stride_qkv + ck)
+                    tl.store(conv_out + (2 + t) * stride_conv_r + cq, xq.to(conv_ptr.dtype.element_ty), mask=live)
+                    tl.store(conv_out + (2 + t) * stride_conv_r + ck, xk.to(conv_ptr.dtype.element_ty), mask=live)
+                    o = tl.load(ws_ptr + (row * H + h) * D + d, cache_modifier=".cg")
+                    _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
+
+    @triton.jit
+    def _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D: tl.constexpr,
+                    ROUND: tl.constexpr):
+        """One token's head output: RMSNorm(o) * w * sigmoid(g2), rounded to bf16 (zeros for padding)."""
+        g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d).to(tl.float32)
+        y = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * norm_w * tl.sigmoid(g2)
+        y = tl.where(live, bf16_round(y, ROUND), 0.0)
+        tl.store(out_ptr + row * stride_out + h * D + d, y.to(out_ptr.dtype.element_ty))
 
 
 def _fake(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
@@ -179,21 +222,52 @@ def kda_decode(
     R, Q = state_slots.shape
     assert recurrent_state.is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
     out = torch.empty_like(g2)
-    _kda_decode_kernel[(R, H)](*kernel_args(
+    nv = v_split(R, H)
+    _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps),
+        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        num_warps=4)  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, num_warps=4)  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
+SMS = 132  # H200
+V_SPLIT_PROGRAMS = 2 * SMS
+
+
+def v_split(R: int, H: int) -> int:
+    """V blocks per head: the most of 4, 2, 1 that keeps R H NV programs within two per SM
+    (a latency-bound step at few requests gains programs; many requests fill the GPU)."""
+    return next(nv for nv in (4, 2, 1) if nv == 1 or R * H * nv <= V_SPLIT_PROGRAMS)
+
+
+_counters: dict[torch.device, Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> Tensor:
+    """Zeroed per-(request, head) counters of the V-split kernel; each head's last program
+    resets its own, so they stay zero between calls (allocated before graph capture)."""
+    have = _counters.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kimi_kernels.kda_decode: run the step once before CUDA-graph capture (it allocates "
+                               "its arrival counters on first use)")
+        have = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
+
+
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-                recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps) -> tuple:
-    """The Triton kernel's positional arguments (strides included)."""
+                recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1) -> tuple:
+    """The Triton kernel's positional arguments (strides, and with ``nv`` > 1 the V-split
+    workspace and arrival counters, included)."""
+    R, H = state_slots.shape[0], recurrent_state.shape[1]
+    ws = torch.empty(out.shape[0], H, recurrent_state.shape[-1], dtype=torch.float32, device=out.device) \
+        if nv > 1 else out
+    cnt = arrival_counters(out.device, R * H) if nv > 1 else state_slots
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
             conv_weight, A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
-            recurrent_state, state_slots, num_accepted, out, out.stride(0), lower_bound, norm_eps)
+            recurrent_state, state_slots, num_accepted, out, out.stride(0), ws, cnt, lower_bound, norm_eps)
 
 
 kda_decode.register_fake(_fake)

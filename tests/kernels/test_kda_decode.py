@@ -35,7 +35,10 @@ def inputs(R, q, H, D, seed):
 @pytest.mark.parametrize("H, D", SHAPES)
 @pytest.mark.parametrize("R, q", [(1, 1), (3, 1), (5, 4), (2, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_matches_reference(R, q, H, D, dtype):
+@pytest.mark.parametrize("nv", [1, 4])
+def test_kernel_matches_reference(R, q, H, D, dtype, nv, monkeypatch):
+    """``nv``: V blocks per head (4: the last-arriving program normalises and writes q/k conv)."""
+    monkeypatch.setattr(K, "v_split", lambda R, H: nv)
     x = inputs(R, q, H, D, seed=R * 10 + q)
     if dtype == torch.float32:
         x = {k: (v.float() if k in ("mixed_qkv", "f_a", "f_b_weight", "g2", "beta", "norm_weight", "conv_state")
@@ -44,6 +47,8 @@ def test_kernel_matches_reference(R, q, H, D, dtype):
     want = K.reference(**{**x, "conv_state": want_conv, "recurrent_state": want_rec})
     dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
     got = torch.ops.kimi_kernels.kda_decode(**dev)
+    if nv > 1:
+        assert not K.arrival_counters(got.device, R * H).any()  # reset for the next call
     # The bf16 rounding points are the reference's; only fp32 summation order differs,
     # which now and then moves a value across a bf16 rounding boundary (a g1 ulp moves the
     # gate by up to 5 exp(A_log) / 4 ulps): hence 1e-2 on outputs, 1e-3 on states.
