@@ -13,7 +13,7 @@ one dot (rounded to bf16 as stock's GEMM output), then per token: conv (4 taps) 
 state written to that token's slot, bf16 output -> RMSNorm * w * sigmoid(g2). Padding
 requests (first slot <= 0) store zeros and touch no state.
 
-V split (``v_split``: NV = 4 or 2 blocks when few requests leave SMs idle): every program
+V split (``v_split``: NV = 4 blocks when few requests leave SMs idle): every program
 of a head recomputes q, k, the gate and g1 (cheap) and owns BV = D / NV rows of S and the
 matching v channels. The gated RMSNorm spans all of V and the q/k conv channels are read
 by every program, so each program writes its pre-norm o rows to an fp32 workspace and
@@ -233,13 +233,15 @@ def kda_decode(
 
 
 SMS = 132  # H200
-V_SPLIT_PROGRAMS = 2 * SMS
 
 
 def v_split(R: int, H: int) -> int:
-    """V blocks per head: the most of 4, 2, 1 that keeps R H NV programs within two per SM
-    (a latency-bound step at few requests gains programs; many requests fill the GPU)."""
-    return next(nv for nv in (4, 2, 1) if nv == 1 or R * H * nv <= V_SPLIT_PROGRAMS)
+    """V blocks per head: 4 while the split programs fill at most 3/4 of the SMs, else 1.
+    On H200 at 12 heads 4 blocks gain at 1 request (kernel 5.8 vs 6.4 us at q = 1, 11.5
+    vs 16.7 at q = 4, docs/results/kda_kernel_h200_v5.json) and 2 (the q = 4, 8-row
+    layer step: 53.5 vs 59.9 us, kda_layer_q4_h200_v5.json) and lose from 8 requests on;
+    2 blocks never won."""
+    return 4 if R * H * 4 <= 3 * SMS // 4 else 1
 
 
 _counters: dict[torch.device, Tensor] = {}

@@ -18,12 +18,14 @@ SUITE = {  # name: (script, arguments)
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),
     "mla_layer": ("mla_layer.py", []),
+    "dsa_layer": ("mla_layer.py", ["--kind", "dsa", "--q", "1", "--context", "8192"]),
     "mla_kernel": ("mla_kernel.py", []),
-    "gemm": ("gemm.py", []),
+    "gemm": ("gemm.py", ["--sweep"]),
     "moe_experts": ("moe_experts.py", []),
     "moe_layer": ("moe_layer.py", []),
     "mega_moe_ep2": ("mega_moe.py", ["--gpus", "2"]),  # only with two GPUs visible
     "dcp_mla": ("dcp_mla.py", ["--gpus", "2"]),
+    "dcp_dsa": ("dcp_mla.py", ["--gpus", "2", "--kind", "dsa"]),
 }
 
 
@@ -57,8 +59,13 @@ def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> d
     return written
 
 
+PANELS = {"kda_layer_q1": "KDA layer, q = 1", "kda_layer_q4": "KDA layer, q = 4",
+          "mla_layer": "MLA layer, q = 1, 4K context", "dsa_layer": "DSA layer, q = 1, 8K context"}
+
+
 def plot(out: Path) -> Path | None:
-    """Layer step time against rows: stock Inductor + CUDA graphs, kimi_specialized, floor."""
+    """Layer step time against rows (TP8 per rank): stock Inductor + CUDA graphs,
+    kimi_specialized and the floor, one panel per layer result found in ``out``."""
     try:
         import matplotlib
 
@@ -66,22 +73,23 @@ def plot(out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, q in zip(axes, (1, 4)):
-        path = out / f"kda_layer_q{q}.json"
-        if not path.exists():
-            continue
-        rows = json.loads(path.read_text())["rows"]
+    found = {n: json.loads((out / f"{n}.json").read_text())["rows"] for n in PANELS if (out / f"{n}.json").exists()}
+    if not found:
+        return None
+    fig, axes = plt.subplots(1, len(found), figsize=(4.5 * len(found), 4), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], found.items()):
+        rows = [r for r in rows if r.get("q", 1) == (4 if name.endswith("q4") else 1)]
         x = [r["rows"] for r in rows]
         for key, label in (("inductor_us", "stock, Inductor + CUDA graph"), ("kimi_us", "kimi_specialized"),
                            ("floor_us", "byte floor (4.28 TB/s)")):
             ax.plot(x, [r[key] for r in rows], marker="o", label=label)
-        ax.set_title(f"KDA layer step, TP8 per rank, q = {q}")
+        ax.set_title(PANELS[name])
         ax.set_xlabel("rows")
         ax.set_xscale("log", base=2)
-    axes[0].set_ylabel("us per step")
-    axes[0].legend()
+        ax.set_yscale("log")
+    axes[0][0].set_ylabel("us per step")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    target = out / "kda_layer.png"
-    fig.savefig(target, dpi=120)
+    target = out / "layers.png"
+    fig.savefig(target, dpi=110)
     return target
