@@ -51,11 +51,13 @@ FASTEST: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
 
 @functools.lru_cache(maxsize=None)
 def cute_available() -> str:
-    """'' when CuTe DSL imports, else why not."""
+    """'' when CuTe DSL and its TVM-FFI launcher import, else why not."""
     try:
+        import tvm_ffi  # noqa: F401
+
         from . import cute_gemv  # noqa: F401
     except ImportError as e:
-        return f"CuTe DSL is not installed ({e.name})"
+        return f"CuTe DSL is not installed ({e.name}: pip install 'kimi-inductor[cute]')"
     return ""
 
 
