@@ -24,6 +24,7 @@ SUITE = {  # name: (script, arguments)
     "moe_experts": ("moe_experts.py", []),
     "moe_layer": ("moe_layer.py", []),
     "mega_moe_ep2": ("mega_moe.py", ["--gpus", "2"]),  # only with two GPUs visible
+    "moe_layer_ep2": ("moe_layer_ep.py", ["--gpus", "2"]),
     "dcp_mla": ("dcp_mla.py", ["--gpus", "2"]),
     "dcp_dsa": ("dcp_mla.py", ["--gpus", "2", "--kind", "dsa"]),
 }

@@ -1,0 +1,110 @@
+"""One Kimi K3 MoE layer decode step at EP G on G GPUs (NCCL), in the SP layout the hybrid
+step runs it in: each rank routes its own c rows (router, latent down), the routed
+experts are expert-parallel over the G ranks (896 / G each, bf16), then RMSNorm, up
+projection and the replicated shared experts:
+
+* kimi_specialized: the ``mega_moe`` pass (one all-gather dispatch, grouped Triton
+  experts, one reduce-scatter combine) and ``lower_kernels``, compiled by Inductor, in a
+  CUDA graph on every rank;
+* stock: the same layer eagerly (stock ``kimi::ep_experts``: all-gather, a host-synced
+  expert loop, all-reduce; not capturable);
+* floor: every non-expert weight, the weights of this rank's experts that got a pair,
+  and the activations, at 4.28 TB/s (the exchange's communication not included).
+
+    python benchmarks/moe_layer_ep.py --gpus 2 --rows 1 8 32 64 --json moe_layer_ep2.json
+    python benchmarks/moe_layer_ep.py --smoke   # 2 CPU ranks (gloo), the tiny preset: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
+from moe_experts import eager_time_us  # noqa: E402
+from moe_layer import random_params  # noqa: E402
+
+from kimi_inductor.backend import KimiSpecialized  # noqa: E402
+from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
+from kimi_inductor.stock.moe import KimiMoE, router_logits, select_experts  # noqa: E402
+
+
+def _rank(rank: int, world: int, port: int, rows_list: list[int], out: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    _measure(rows_list, smoke=False, out=out)
+    dist.destroy_process_group()
+
+
+def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cpu" if smoke else f"cuda:{rank}"
+    config = KimiK3Config.preset("tiny" if smoke else "kimi-k3")
+    layer = KimiMoE(config, Parallel("sp", dist.group.WORLD), device="meta")
+    torch.manual_seed(rank)  # each rank its own experts; the replicated weights made equal below
+    params = random_params(layer, device)
+    for name, t in params.items():
+        if not name.startswith("experts."):
+            dist.broadcast(t, 0)
+    nbytes = {n: t.numel() * t.element_size() for n, t in params.items()}
+    local = params["experts.w13_weight"].shape[0]
+    expert_bytes = (nbytes["experts.w13_weight"] + nbytes["experts.w2_weight"]) / local
+    other_bytes = sum(v for n, v in nbytes.items() if not n.startswith("experts."))
+
+    def step(params, x, is_padding):
+        return functional_call(layer, params, (x, is_padding))
+
+    res = Results(f"moe_layer_ep{world}")
+    for rows in rows_list:
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(rows * world + rank)
+        x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
+        pad = torch.zeros(rows, dtype=torch.bool, device=device)
+        kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]}), dynamic=False)
+        want, got = step(params, x, pad).float(), kimi(params, x, pad).float()
+        err = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
+        # this rank's experts that any rank's rows picked (what its experts read)
+        _, ids = select_experts(router_logits(x, params["gate.weight"]), params["gate.e_score_correction_bias"],
+                                config.num_experts_per_token, True, 1.0)
+        every = [torch.empty_like(ids) for _ in range(world)]
+        dist.all_gather(every, ids)
+        ids = torch.cat(every) - rank * local
+        active = int(torch.unique(ids[(ids >= 0) & (ids < local)]).numel())
+        row = dict(rank=rank, rows=rows, active_experts=active, rel_err=err)
+        if not smoke:
+            fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
+            t_kimi = graph_time_us(lambda i: kimi(params, x, pad), calls=5, replays=5)
+            dist.barrier()
+            t_stock = eager_time_us(lambda: step(params, x, pad))
+            row.update(floor_us=fl, kimi_us=t_kimi, stock_eager_us=t_stock, kimi_x_floor=t_kimi / fl,
+                       speedup=t_stock / t_kimi)
+        res.add(echo=rank == 0, **row)
+    if out:
+        res.dump(f"{out}.rank{rank}")
+    return res.rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--smoke", action="store_true", help="2 CPU ranks (gloo), tiny preset, no timing")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    if args.smoke:
+        from kimi_inductor.launch import run_ranks
+
+        run_ranks(_measure, 2, args.rows, True)
+        return
+    run_on_gpus(_rank, args.gpus, (args.rows,), args.json)
+
+
+if __name__ == "__main__":
+    main()
