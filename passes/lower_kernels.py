@@ -69,12 +69,11 @@ def match_gemm(node: fx.Node):
     if node.target is aten.mm.default:
         x, wt = node.args
         w = _weight(wt)
-        if w is not None:
-            return x, w, None, node.meta["val"].dtype
-        xs, ws = _source(x, torch.float32), _weight(wt)
-        ws = _source(ws, torch.float32) if ws is not None else None
+        xs, ws = _source(x, torch.float32), _source(w, torch.float32)
         if xs is not None and ws is not None:  # bf16 operands, fp32 logits (the router on CPU)
             return xs, ws, None, torch.float32
+        if w is not None:
+            return x, w, None, node.meta["val"].dtype
     if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
         acc, x, wt = node.args
         w = _weight(wt)
