@@ -52,7 +52,8 @@ def main(argv=None) -> Results:
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     dsa = args.kind == "dsa"
-    base = KimiK3Config.preset(("tiny" if args.smoke else "kimi") + ("-k3.1" if dsa else "" if args.smoke else "-k3"))
+    base = KimiK3Config.preset({("mla", False): "kimi-k3", ("dsa", False): "kimi-k3.1", ("mla", True): "tiny",
+                                ("dsa", True): "tiny-k3.1"}[args.kind, args.smoke])
     config = base.replace(num_attention_heads=base.num_attention_heads // (1 if args.smoke else 8))
     layer = (SparseLatentAttention if dsa else MultiHeadLatentAttention)(config, Parallel(), device="meta")
     index_dim = config.dsa_config["index_head_dim"] if dsa else 0

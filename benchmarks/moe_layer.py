@@ -61,6 +61,13 @@ def random_params(layer: KimiMoE, device) -> dict[str, torch.Tensor]:
     return out
 
 
+def weight_bytes(params: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """(bytes of one routed expert, bytes of every other weight) of a KimiMoE's parameters."""
+    nbytes = {n: t.numel() * t.element_size() for n, t in params.items()}
+    per_expert = (nbytes["experts.w13_weight"] + nbytes["experts.w2_weight"]) / params["experts.w13_weight"].shape[0]
+    return per_expert, sum(v for n, v in nbytes.items() if not n.startswith("experts."))
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -71,10 +78,7 @@ def main(argv=None) -> Results:
     config = KimiK3Config.preset("tiny" if args.smoke else "kimi-k3")
     layer = KimiMoE(config, Parallel(), device="meta")
     params = random_params(layer, device)
-    nbytes = {n: t.numel() * t.element_size() for n, t in params.items()}
-    experts = params["experts.w13_weight"].shape[0]
-    expert_bytes = (nbytes["experts.w13_weight"] + nbytes["experts.w2_weight"]) / experts
-    other_bytes = sum(v for n, v in nbytes.items() if not n.startswith("experts."))
+    expert_bytes, other_bytes = weight_bytes(params)
 
     def step(params, x, is_padding):
         return functional_call(layer, params, (x, is_padding))

@@ -28,7 +28,7 @@ from torch.func import functional_call
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
 from moe_experts import eager_time_us  # noqa: E402
-from moe_layer import random_params  # noqa: E402
+from moe_layer import random_params, weight_bytes  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
@@ -53,10 +53,8 @@ def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
     for name, t in params.items():
         if not name.startswith("experts."):
             dist.broadcast(t, 0)
-    nbytes = {n: t.numel() * t.element_size() for n, t in params.items()}
     local = params["experts.w13_weight"].shape[0]
-    expert_bytes = (nbytes["experts.w13_weight"] + nbytes["experts.w2_weight"]) / local
-    other_bytes = sum(v for n, v in nbytes.items() if not n.startswith("experts."))
+    expert_bytes, other_bytes = weight_bytes(params)
 
     def step(params, x, is_padding):
         return functional_call(layer, params, (x, is_padding))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+SMS = 132  # streaming multiprocessors of the H200 the launch heuristics were measured on
+
 try:
     import triton
     import triton.language as tl

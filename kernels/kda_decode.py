@@ -39,7 +39,7 @@ from torch import Tensor
 import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
 from kimi_inductor.stock.library import REFERENCES
 
-from .common import INTERPRET, bf16_round, tl, triton
+from .common import INTERPRET, SMS, bf16_round, tl, triton
 
 NAMESPACE = "kimi_kernels"
 
@@ -127,10 +127,8 @@ if triton is not None:
         conv_out = conv_ptr + slot0 * stride_conv_s
         q1s, q2s, k1s, k2s = q1, q2, k1, k2
         if NV == 1:
-            tl.store(conv_out + cq, q1.to(conv_ptr.dtype.element_ty), mask=live)
-            tl.store(conv_out + ck, k1.to(conv_ptr.dtype.element_ty), mask=live)
-            tl.store(conv_out + stride_conv_r + cq, q2.to(conv_ptr.dtype.element_ty), mask=live)
-            tl.store(conv_out + stride_conv_r + ck, k2.to(conv_ptr.dtype.element_ty), mask=live)
+            _store_conv_rows(conv_out, 0, stride_conv_r, cq, ck, q1, k1, live)
+            _store_conv_rows(conv_out, 1, stride_conv_r, cq, ck, q2, k2, live)
         tl.store(conv_out + cv, v1.to(conv_ptr.dtype.element_ty), mask=live)
         tl.store(conv_out + stride_conv_r + cv, v2.to(conv_ptr.dtype.element_ty), mask=live)
 
@@ -149,8 +147,7 @@ if triton is not None:
             k0, k1, k2 = k1, k2, xk
             v0, v1, v2 = v1, v2, xv
             if NV == 1:
-                tl.store(conv_out + (2 + t) * stride_conv_r + cq, xq.to(conv_ptr.dtype.element_ty), mask=live)
-                tl.store(conv_out + (2 + t) * stride_conv_r + ck, xk.to(conv_ptr.dtype.element_ty), mask=live)
+                _store_conv_rows(conv_out, 2 + t, stride_conv_r, cq, ck, xq, xk, live)
             tl.store(conv_out + (2 + t) * stride_conv_r + cv, xv.to(conv_ptr.dtype.element_ty), mask=live)
 
             qn = yq / tl.sqrt(tl.sum(yq * yq, 0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
@@ -179,18 +176,20 @@ if triton is not None:
             arrived = tl.atomic_add(cnt_ptr + r * H + h, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
                 tl.store(cnt_ptr + r * H + h, 0)
-                tl.store(conv_out + cq, q1s.to(conv_ptr.dtype.element_ty), mask=live)
-                tl.store(conv_out + ck, k1s.to(conv_ptr.dtype.element_ty), mask=live)
-                tl.store(conv_out + stride_conv_r + cq, q2s.to(conv_ptr.dtype.element_ty), mask=live)
-                tl.store(conv_out + stride_conv_r + ck, k2s.to(conv_ptr.dtype.element_ty), mask=live)
+                _store_conv_rows(conv_out, 0, stride_conv_r, cq, ck, q1s, k1s, live)
+                _store_conv_rows(conv_out, 1, stride_conv_r, cq, ck, q2s, k2s, live)
                 for t in tl.range(0, Q, loop_unroll_factor=1):
                     row = r * Q + t
-                    xq = tl.load(qkv_ptr + row * stride_qkv + cq)
-                    xk = tl.load(qkv_ptr + row * stride_qkv + ck)
-                    tl.store(conv_out + (2 + t) * stride_conv_r + cq, xq.to(conv_ptr.dtype.element_ty), mask=live)
-                    tl.store(conv_out + (2 + t) * stride_conv_r + ck, xk.to(conv_ptr.dtype.element_ty), mask=live)
+                    _store_conv_rows(conv_out, 2 + t, stride_conv_r, cq, ck, tl.load(qkv_ptr + row * stride_qkv + cq),
+                                     tl.load(qkv_ptr + row * stride_qkv + ck), live)
                     o = tl.load(ws_ptr + (row * H + h) * D + d, cache_modifier=".cg")
                     _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
+
+    @triton.jit
+    def _store_conv_rows(conv_out, i, stride_conv_r, cq, ck, xq, xk, live):
+        """Row ``i`` of the new conv state, q and k channels (padding requests write nothing)."""
+        tl.store(conv_out + i * stride_conv_r + cq, xq.to(conv_out.dtype.element_ty), mask=live)
+        tl.store(conv_out + i * stride_conv_r + ck, xk.to(conv_out.dtype.element_ty), mask=live)
 
     @triton.jit
     def _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D: tl.constexpr,
@@ -230,9 +229,6 @@ def kda_decode(
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
         NV=nv, num_warps=4)  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
-
-
-SMS = 132  # H200
 
 
 def v_split(R: int, H: int) -> int:

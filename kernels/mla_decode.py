@@ -51,10 +51,9 @@ from kimi_inductor.stock.dsa import select_topk
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.mla import write_cache
 
-from .common import INTERPRET, bf16_round, tl, triton
+from .common import INTERPRET, SMS, bf16_round, tl, triton
 
 NAMESPACE = "kimi_kernels"
-SMS = 132  # H200
 BS = 32  # the default positions per step (``tiles``)
 
 

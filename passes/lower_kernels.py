@@ -38,7 +38,7 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from .decoder import DecoderGraph
+from .decoder import ATTENTION_CORES, DecoderGraph
 from .graph import OpCall, refresh_meta
 from .report import PassInfo
 
@@ -118,8 +118,7 @@ class LowerKernels:
             if why:
                 kept[f"MLA core: {why}"] += 1
                 continue
-            kind = "dsa" if call.op is torch.ops.kimi.dsa_decode.default else "mla"
-            per_node[_swap(g, call, MLA_CORES[call.op], dict(call.node.kwargs))] = kind
+            per_node[_swap(g, call, MLA_CORES[call.op], dict(call.node.kwargs))] = ATTENTION_CORES[call.op]
             info.rewritten += 1
         for node in list(g.nodes):
             gemm = match_gemm(node)
@@ -132,7 +131,7 @@ class LowerKernels:
             if not isinstance(M, int):
                 why = "symbolic rows"
             else:
-                impl, why = skinny_gemm.choose(M, N, K, x.meta["val"].dtype)
+                why = skinny_gemm.choose(M, N, K, x.meta["val"].dtype)[1]
             if why:
                 kept[f"GEMM {N}x{K}: {why}"] += 1
                 continue

@@ -34,11 +34,12 @@ from cutlass import Float32, Int32, const_expr
 from cuda.bindings.driver import CUstream
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
+from ..common import SMS
+
 VEC = 8  # bf16 elements per 16-byte load
 WARP = 32
 STEP = WARP * VEC  # K elements one warp covers per step
 MAX_ROWS = 8
-SMS = 132  # H200
 DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: Float32, torch.int32: Int32}
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import INTERPRET, tl, triton
-
-SMS = 132  # H200; more programs than SMs keep every SM streaming
+from ..common import INTERPRET, SMS, tl, triton
 
 
 def config(M: int, N: int, K: int) -> dict[str, int]:
@@ -68,7 +66,6 @@ if triton is not None:
         if HAS_ACC:
             total += tl.load(acc_ptr + m * stride_acc + n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=mask)
-
 
 
 def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:

@@ -91,6 +91,7 @@ def mla_decode(
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
     return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
 
+
 def _dcp_fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
               dcp_size, scale):
     T, N, L = ql_nope.shape
