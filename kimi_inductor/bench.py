@@ -17,6 +17,7 @@ SUITE = {  # name: (script, arguments)
     "kda_layer_q1": ("kda_layer.py", ["--rows", "1", "8", "32", "64", "--q", "1"]),
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),
+    "attn_res": ("attn_res.py", []),
     "mla_layer": ("mla_layer.py", []),
     "dsa_layer": ("mla_layer.py", ["--kind", "dsa", "--q", "1", "--context", "8192"]),
     "mla_kernel": ("mla_kernel.py", []),

@@ -39,6 +39,7 @@ ATTENTION_CORES = {kimi.kda_decode.default: "kda", kimi.mla_decode.default: "mla
                    torch.ops.kimi_kernels.kda_decode.default: "kda",
                    torch.ops.kimi_kernels.mla_decode.default: "mla",
                    kimi.mla_decode_dcp.default: "mla", torch.ops.kimi_kernels.mla_decode_dcp.default: "mla"}
+ATTN_RES = [kimi.attn_res.default, torch.ops.kimi_kernels.attn_res.default]  # stock, lowered
 DCP_CORES = {kimi.mla_decode_dcp.default, torch.ops.kimi_kernels.mla_decode_dcp.default}  # "dsa" with a selection
 ROUTED_EXPERTS = {kimi.fused_experts.default, kimi.ep_experts.default,
                   torch.ops.kimi_kernels.mega_moe.default, torch.ops.kimi_kernels.expert_ffn.default}
@@ -134,7 +135,7 @@ class DecoderGraph:
     def parse(cls, graph: fx.Graph) -> "DecoderGraph":
         out = cls()
         cores = calls(graph, ATTENTION_CORES)
-        res = calls(graph, [kimi.attn_res.default])
+        res = calls(graph, ATTN_RES)
         if not cores or not res:
             out.problems.append("not a Kimi K3 decoder graph: no kimi::attn_res / attention core ops")
             return out

@@ -12,6 +12,7 @@ Matches and produces (M = rows, at most 64):
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
     kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
     kimi.dsa_decode(...)  (DSA, no DCP)             kimi_kernels.dsa_decode(...)
+    kimi.attn_res(prefix, delta, bank, ...)         kimi_kernels.attn_res(prefix, delta, bank, ...)
 
 Each replacement computes the same function (the kernels' CPU references are the
 replaced ops; on CPU the lowered graph is bitwise the unlowered one). A GEMM with
@@ -34,6 +35,7 @@ import torch
 from torch import fx
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 
+from kimi_inductor.kernels import attn_res as attn_res_kernel
 from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
@@ -120,6 +122,17 @@ class LowerKernels:
                 continue
             per_node[_swap(g, call, MLA_CORES[call.op], dict(call.node.kwargs))] = ATTENTION_CORES[call.op]
             info.rewritten += 1
+        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op is torch.ops.kimi.attn_res.default]:
+            info.matched += 1
+            prefix = call.arg("prefix").meta["val"]
+            why = attn_res_kernel.supported(prefix.shape[-1], prefix.dtype)
+            if call.node.target is not auto_functionalized_v2:
+                why = why or "not an auto_functionalized_v2 call"
+            if why:
+                kept[f"AttnRes: {why}"] += 1
+                continue
+            per_node[_swap(g, call, torch.ops.kimi_kernels.attn_res.default, dict(call.node.kwargs))] = "attn_res"
+            info.rewritten += 1
         for node in list(g.nodes):
             gemm = match_gemm(node)
             if gemm is None:
@@ -173,7 +186,9 @@ def _annotate(gm: fx.GraphModule, ctx, per_node: dict[fx.Node, str]) -> None:
     for layer, row in zip(dg.layers, ctx.report.layers):
         attn = [n for n in _region(layer.pre.output(0), layer.attn_out) if n in per_node]
         mlp = [n for n in _region(layer.mlp_in, layer.mlp_out) if n in per_node]
-        row.notes["kernels"] = (f"attention: {_summary(attn, per_node)}; mlp: {_summary(mlp, per_node)}")
+        res = sum(c.node in per_node for c in (layer.pre, layer.post))
+        row.notes["kernels"] = (f"attention: {_summary(attn, per_node)}; mlp: {_summary(mlp, per_node)}"
+                                + (f"; AttnRes: fused x{res}" if res else ""))
 
 
 def _region(src, dst):

@@ -23,6 +23,7 @@ def test_attention_cores_are_lowered_and_reported(fake_world, preset):
             assert "fused KDA x1" in attention
         else:
             assert {"mla": "MLA core x1", "dsa": "DSA core x1"}[layer.kind] in attention
+        assert note.endswith("AttnRes: fused x2")  # pre- and post-attention
     cores = len(report.layers)
     assert info.rewritten >= cores
     # cuBLAS keeps every tiny GEMM: our GEMMs are dispatched only at measured TP8 shapes

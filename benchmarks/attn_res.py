@@ -1,0 +1,56 @@
+"""AttnRes alone (one ``kimi::attn_res`` call: prefix update, bank write, the softmax mix
+over the saved blocks and the output RMSNorm) at Kimi K3's hidden size: our kernel vs
+the stock math compiled by Inductor vs the byte floor, inside CUDA graphs.
+
+    python benchmarks/attn_res.py --json attn_res.json [--rows 1 8 32 64] [--blocks 4 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, floor_us, graph_time_us  # noqa: E402
+
+import kimi_inductor.kernels  # noqa: E402,F401
+from kimi_inductor.stock.library import REFERENCES  # noqa: E402
+
+
+def main(argv=None) -> Results:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--blocks", type=int, nargs="+", default=[4, 12], help="saved blocks mixed (num_blocks)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    H, bf16 = 7168, torch.bfloat16
+    stock = torch.compile(REFERENCES[torch.ops.kimi.attn_res.default], dynamic=False)
+    res = Results("attn_res")
+    for n in args.blocks:
+        for rows in args.rows:
+            torch._dynamo.reset()
+            g = torch.Generator(device="cuda").manual_seed(rows + n)
+            prefix, delta = (torch.randn(rows, H, device="cuda", generator=g).to(bf16) for _ in range(2))
+            bank = torch.randn(rows, n + 2, H, device="cuda", generator=g).to(bf16)
+            w = [1 + 0.1 * torch.randn(H, device="cuda", generator=g).to(bf16) for _ in range(3)]
+            call = (delta, bank, w[0], w[1], w[2], n, n, 1e-6, 1e-5)  # mixes n blocks, writes block n
+            want = stock(prefix.clone(), *call)
+            got = torch.ops.kimi_kernels.attn_res(prefix.clone(), *call)
+            err = float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-2)).max())
+            # prefix read + write, delta, bank write, n bank rows, output
+            fl = floor_us(rows * H * 2 * (5 + n) + 3 * H * 2)
+            row = dict(rows=rows, blocks=n, floor_us=fl)
+            row["inductor_us"] = graph_time_us(lambda i: stock(prefix, *call))
+            row["ours_us"] = graph_time_us(lambda i: torch.ops.kimi_kernels.attn_res(prefix, *call))
+            row.update(speedup=row["inductor_us"] / row["ours_us"], ours_x_floor=row["ours_us"] / fl, rel_err=err)
+            res.add(**row)
+    if args.json:
+        res.dump(args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""``kimi_kernels::attn_res``: AttnRes (block attention residuals) in one Triton kernel.
+
+Semantics: stock ``kimi::attn_res`` (``stock/attn_res.py``): per row, ``p = prefix [+ delta]``
+(rounded to the stream dtype and written back into ``prefix``), ``p`` stored into
+``bank[:, block_write_idx]`` when that is >= 0, then a softmax over the sources
+``bank[:, :num_blocks]`` and ``p`` of ``<s, norm_weight * qk_weight> * rsqrt(mean(s^2) + eps)``
+mixes the raw sources, and the optional output RMSNorm (the fused input /
+post-attention layernorm) scales the mix; bf16 out.
+
+Layout: one program per row holds the whole hidden row (H = 7168: 8192 lanes over 16
+warps) and walks the sources once with an online softmax (running max, sum and
+weighted sum, fp32), so each bank row is read once and the prefix update, the bank
+write, the mix and the output norm are one launch instead of Inductor's chain of
+reductions. Stock's softmax-then-sum and the online form differ only in fp32 rounding
+order (outputs within one bf16 rounding).
+
+Byte floor of one call: R rows x (prefix read + write, delta, bank row write,
+``num_blocks`` bank rows, output) x H x 2 bytes: 100 KB per row at 4 saved blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import kimi_inductor.stock.attn_res  # noqa: F401  (registers kimi::attn_res)
+from kimi_inductor.stock.library import REFERENCES
+
+from .common import INTERPRET, bf16_round, tl, triton
+
+NAMESPACE = "kimi_kernels"
+MAX_HIDDEN = 16384
+
+
+def supported(hidden: int, dtype: torch.dtype) -> str:
+    """Why the Triton kernel cannot take this row ('' when it can)."""
+    if triton is None:
+        return "Triton is not installed"
+    if hidden > MAX_HIDDEN:
+        return f"hidden {hidden} (> {MAX_HIDDEN}: one program holds a whole row)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"dtype {dtype}"
+    return ""
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_res_kernel(prefix_ptr, stride_prefix, delta_ptr, stride_delta, bank_ptr, stride_bank_r,
+                         stride_bank_b, norm_ptr, qk_ptr, out_norm_ptr, out_ptr, stride_out, H, num_blocks,
+                         write_idx, eps, out_eps, BH: tl.constexpr, HAS_DELTA: tl.constexpr,
+                         HAS_OUT_NORM: tl.constexpr, ROUND: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BH)
+        mask = offs < H
+        p = tl.load(prefix_ptr + r * stride_prefix + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            p = bf16_round(p + tl.load(delta_ptr + r * stride_delta + offs, mask=mask, other=0.0).to(tl.float32),
+                           ROUND)
+            tl.store(prefix_ptr + r * stride_prefix + offs, p.to(prefix_ptr.dtype.element_ty), mask=mask)
+        bank_row = bank_ptr + r * stride_bank_r
+        if write_idx >= 0:
+            tl.store(bank_row + write_idx * stride_bank_b + offs, p.to(bank_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # the bank row just written may be a source below
+        query = tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32) * \
+            tl.load(qk_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mixed = p
+        if num_blocks > 0:
+            best = tl.sum(p * query, 0) * tl.rsqrt(tl.sum(p * p, 0) / H + eps)  # the last source: p
+            total = 1.0
+            acc = p
+            for j in range(0, num_blocks):
+                s = tl.load(bank_row + j * stride_bank_b + offs, mask=mask, other=0.0).to(tl.float32)
+                score = tl.sum(s * query, 0) * tl.rsqrt(tl.sum(s * s, 0) / H + eps)
+                top = tl.maximum(best, score)
+                keep, w = tl.exp(best - top), tl.exp(score - top)
+                acc = acc * keep + s * w
+                total = total * keep + w
+                best = top
+            mixed = acc / total
+        if HAS_OUT_NORM:
+            w_out = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mixed = mixed * tl.rsqrt(tl.sum(mixed * mixed, 0) / H + out_eps) * w_out
+        tl.store(out_ptr + r * stride_out + offs, bf16_round(mixed, ROUND).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _fake(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight, num_blocks, block_write_idx, eps,
+          output_norm_eps):
+    return torch.empty_like(prefix)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attn_res", mutates_args=("prefix", "bank"))
+def attn_res(prefix: Tensor, delta: Optional[Tensor], bank: Tensor, norm_weight: Tensor, qk_weight: Tensor,
+             output_norm_weight: Optional[Tensor], num_blocks: int, block_write_idx: int, eps: float,
+             output_norm_eps: float) -> Tensor:
+    args = (prefix, delta, bank, norm_weight, qk_weight, output_norm_weight, num_blocks, block_write_idx, eps,
+            output_norm_eps)
+    R, H = prefix.shape
+    if not (prefix.is_cuda or INTERPRET) or supported(H, prefix.dtype) or R == 0:
+        return REFERENCES[torch.ops.kimi.attn_res.default](*args)
+    assert prefix.stride(1) == 1 and bank.stride(2) == 1 and (delta is None or delta.stride(1) == 1)
+    out = torch.empty_like(prefix)
+    _attn_res_kernel[(R,)](
+        prefix, prefix.stride(0), delta if delta is not None else prefix, delta.stride(0) if delta is not None else 0,
+        bank, bank.stride(0), bank.stride(1), norm_weight, qk_weight,
+        output_norm_weight if output_norm_weight is not None else norm_weight, out, out.stride(0), H, num_blocks,
+        block_write_idx, eps, output_norm_eps, BH=triton.next_power_of_2(H), HAS_DELTA=delta is not None,
+        HAS_OUT_NORM=output_norm_weight is not None, ROUND=prefix.dtype == torch.bfloat16,
+        num_warps=16 if H > 4096 else 4)
+    return out
+
+
+attn_res.register_fake(_fake)
