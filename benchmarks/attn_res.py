@@ -37,15 +37,22 @@ def main(argv=None) -> Results:
             bank = torch.randn(rows, n + 2, H, device="cuda", generator=g).to(bf16)
             w = [1 + 0.1 * torch.randn(H, device="cuda", generator=g).to(bf16) for _ in range(3)]
             call = (delta, bank, w[0], w[1], w[2], n, n, 1e-6, 1e-5)  # mixes n blocks, writes block n
-            want = stock(prefix.clone(), *call)
-            got = torch.ops.kimi_kernels.attn_res(prefix.clone(), *call)
-            err = float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-2)).max())
+            want = REFERENCES[torch.ops.kimi.attn_res.default](prefix.clone(), *call)  # eager stock
+
+            def err(out):
+                return float(((out.float() - want.float()).abs() / want.float().abs().amax(-1, keepdim=True)).max())
+
+            # Inductor's compile of stock is not bitwise stock: it keeps the prefix update in
+            # fp32 (no bf16 rounding before the softmax), which moves near-tied scores
+            inductor_err = err(stock(prefix.clone(), *call))
+            ours_err = err(torch.ops.kimi_kernels.attn_res(prefix.clone(), *call))
             # prefix read + write, delta, bank write, n bank rows, output
             fl = floor_us(rows * H * 2 * (5 + n) + 3 * H * 2)
             row = dict(rows=rows, blocks=n, floor_us=fl)
             row["inductor_us"] = graph_time_us(lambda i: stock(prefix, *call))
             row["ours_us"] = graph_time_us(lambda i: torch.ops.kimi_kernels.attn_res(prefix, *call))
-            row.update(speedup=row["inductor_us"] / row["ours_us"], ours_x_floor=row["ours_us"] / fl, rel_err=err)
+            row.update(speedup=row["inductor_us"] / row["ours_us"], ours_x_floor=row["ours_us"] / fl,
+                       ours_err=ours_err, inductor_err=inductor_err)
             res.add(**row)
     if args.json:
         res.dump(args.json)

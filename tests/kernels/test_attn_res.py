@@ -2,7 +2,7 @@
 
 The prefix update and the bank write are bitwise stock's; the output differs only in
 the fp32 order of the online softmax: within one bf16 rounding (2^-7 relative) for bf16
-streams, 1e-5 for fp32.
+streams; fp32 within 1e-5 relative plus 2e-5 of the row's largest value.
 """
 
 import pytest
@@ -31,6 +31,8 @@ def test_matches_stock(rows, num_blocks, write_idx, with_delta, with_out_norm, d
     want = torch.ops.kimi.attn_res(*args)
     got = torch.ops.kimi_kernels.attn_res(*mine).cpu()
     assert torch.equal(mine[0].cpu(), args[0]) and torch.equal(mine[2].cpu(), args[2])  # prefix and bank writes
-    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
-    bound = tol * want.float().abs() + tol * want.float().abs().amax(-1, keepdim=True) * 1e-2 + 1e-6
+    # bf16: one rounding of each value (plus 1 % of one of the row's largest); fp32: the
+    # 7168-term sums in another order (measured 2e-6 on rows of magnitude ~3)
+    tol, row_tol = (2**-7, 2**-7 * 1e-2) if dtype == torch.bfloat16 else (1e-5, 2e-5)
+    bound = tol * want.float().abs() + row_tol * want.float().abs().amax(-1, keepdim=True) + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all(), (got.float() - want.float()).abs().max()
