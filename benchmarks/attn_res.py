@@ -23,7 +23,7 @@ from kimi_inductor.stock.library import REFERENCES  # noqa: E402
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--blocks", type=int, nargs="+", default=[4, 12], help="saved blocks mixed (num_blocks)")
+    p.add_argument("--blocks", type=int, nargs="+", default=[1, 4, 7], help="saved blocks mixed (num_blocks; 0-7 in K3: 93 layers, blocks of 12)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     H, bf16 = 7168, torch.bfloat16

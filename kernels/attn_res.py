@@ -9,9 +9,10 @@ post-attention layernorm) scales the mix; bf16 out.
 
 Layout: one program per row holds the whole hidden row (H = 7168: 8192 lanes over 16
 warps) and walks the sources once with an online softmax (running max, sum and
-weighted sum, fp32), so each bank row is read once and the prefix update, the bank
-write, the mix and the output norm are one launch instead of Inductor's chain of
-reductions. Stock's softmax-then-sum and the online form differ only in fp32 rounding
+weighted sum, fp32; the next source's load in flight while one is reduced), so each
+bank row is read once and the prefix update, the bank write, the mix and the output
+norm are one launch instead of Inductor's chain of reductions. Stock's
+softmax-then-sum and the online form differ only in fp32 rounding
 order (outputs within one bf16 rounding).
 
 Byte floor of one call: R rows x (prefix read + write, delta, bank row write,
@@ -68,17 +69,21 @@ if triton is not None:
             tl.load(qk_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         mixed = p
         if num_blocks > 0:
+            s = tl.load(bank_row + offs, mask=mask, other=0.0)
             best = tl.sum(p * query, 0) * tl.rsqrt(tl.sum(p * p, 0) / H + eps)  # the last source: p
             total = 1.0
             acc = p
             for j in range(0, num_blocks):
-                s = tl.load(bank_row + j * stride_bank_b + offs, mask=mask, other=0.0).to(tl.float32)
-                score = tl.sum(s * query, 0) * tl.rsqrt(tl.sum(s * s, 0) / H + eps)
+                # prefetch the next source while this one is reduced (hides the load latency)
+                nxt = tl.load(bank_row + (j + 1) * stride_bank_b + offs, mask=mask & (j + 1 < num_blocks), other=0.0)
+                sf = s.to(tl.float32)
+                score = tl.sum(sf * query, 0) * tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)
                 top = tl.maximum(best, score)
                 keep, w = tl.exp(best - top), tl.exp(score - top)
-                acc = acc * keep + s * w
+                acc = acc * keep + sf * w
                 total = total * keep + w
                 best = top
+                s = nxt
             mixed = acc / total
         if HAS_OUT_NORM:
             w_out = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
