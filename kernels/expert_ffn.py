@@ -56,9 +56,7 @@ def implementation(device: torch.device) -> tuple[str, str]:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:
             return "reference", f"SM{major}{minor}: the grouped Triton kernel needs SM80 or newer"
-        why = (" (DeepGEMM MegaMoE would need SM100 and FP8/FP4-transformed expert weights)"
-               if major == 10 else " (DeepGEMM MegaMoE is SM100-only)")
-        return "triton", f"grouped Triton expert kernel on SM{major}{minor}{why}"
+        return "triton", f"grouped Triton expert kernel on SM{major}{minor}"
     if INTERPRET:
         return "triton", "grouped Triton expert kernel under TRITON_INTERPRET=1"
     return "reference", f"{device.type}: the torch reference (the Triton kernel needs a GPU)"

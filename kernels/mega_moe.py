@@ -11,7 +11,9 @@ partition). Returns y [c, L] bf16: for each row the weighted sum of its k expert
 outputs, wherever they live. More than ``max_num_tokens`` rows raise ``ValueError``
 (MegaMoE's symmetric-buffer capacity).
 
-Exchange: dispatch = one all-gather of every rank's (latent, weights, ids), packed into
+On SM100 with DeepGEMM installed the op is one ``fp8_fp4_mega_moe`` launch
+(``mega_moe_deepgemm.py``: MXFP4 experts, FP8 dispatch, stock vLLM's SM100 numerics).
+Elsewhere (Hopper, CPU), our exchange: dispatch = one all-gather of every rank's (latent, weights, ids), packed into
 one byte message; each rank runs its own experts on the G c gathered rows
 (``expert_ffn``: pairs of other ranks' experts and of padding rows are skipped);
 combine = one reduce-scatter of the fp32 partials, so each row's sum arrives on its own
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import expert_ffn as experts
+from . import mega_moe_deepgemm as deepgemm
 
 NAMESPACE = "kimi_kernels"
 # torch >= 2.13 renames these (the old names warn); torch 2.11 has only the old ones.
@@ -41,6 +44,16 @@ def check_capacity(rows: int, max_num_tokens: int) -> None:
             f"mega_moe got {rows} tokens on this rank, but its exchange was sized for max_num_tokens="
             f"{max_num_tokens} (raise vLLM's max_num_batched_tokens / Parallel.max_num_tokens, or run "
             f"a smaller batch)")
+
+
+def implementation(device: torch.device, hidden: int, intermediate: int) -> tuple[str, str]:
+    """(name, reason) of what runs the op on ``device``: DeepGEMM MegaMoE where it can
+    (SM100), else the all-gather / grouped Triton experts / reduce-scatter path."""
+    why = "compiled on the meta device" if device.type == "meta" else deepgemm.unsupported(device, hidden, intermediate)
+    if not why:
+        return "deepgemm", "DeepGEMM fp8_fp4_mega_moe (MXFP4 experts, FP8 dispatch, NVLink exchange)"
+    impl, reason = experts.implementation(device)
+    return impl, f"{reason}; not DeepGEMM MegaMoE: {why}"
 
 
 def _pack(parts: list[Tensor]) -> Tensor:
@@ -64,6 +77,9 @@ def mega_moe(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
     check_capacity(rows, max_num_tokens)
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
     size = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    if first_expert == rank * w13.shape[0] and not deepgemm.unsupported(latent.device, latent.shape[1], w2.shape[2]):
+        return deepgemm.run(latent, topk_weights, topk_ids, w13, w2, group, max_num_tokens, beta, linear_beta)
     parts = [latent, topk_weights.float(), topk_ids.int()]
     if size > 1:  # dispatch: every rank receives every rank's rows
         message = _pack(parts)

@@ -18,7 +18,8 @@ TP-sharded experts (``fused_experts``: the TP layout, or one rank) keeps its lay
 runs the same grouped kernel without an exchange. Router, latent down-projection,
 post-combine norm, up-projection and shared experts stay as stock computes them. The
 report names, per MoE layer, the op and the implementation it runs on this device
-(``expert_ffn.implementation``).
+(``mega_moe.implementation``: DeepGEMM MegaMoE on SM100, else our grouped Triton
+experts, with the reason; ``expert_ffn.implementation`` for TP-sharded experts).
 
 Invariants. Relies on: ``meta["val"]`` of the matched calls. Establishes: the same
 values (the ops' CPU references are stock's loop: on CPU the routed graph equals the
@@ -34,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kimi_inductor.kernels import expert_ffn
+from kimi_inductor.kernels import expert_ffn, mega_moe
 
 from .graph import calls, refresh_meta
 from .report import PassInfo
@@ -54,7 +55,11 @@ class MegaMoE:
             info.matched += 1
             arg = call.arg
             node = call.node
-            impl, why = expert_ffn.implementation(arg("latent").meta["val"].device)
+            latent, w2 = arg("latent").meta["val"], arg("w2").meta["val"]
+            if call.op is kimi.ep_experts.default:
+                impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2])
+            else:
+                impl, why = expert_ffn.implementation(latent.device)
             common = (arg("w13"), arg("w2"))
             act = (arg("beta"), arg("linear_beta"))
             with g.inserting_before(node):
@@ -65,7 +70,8 @@ class MegaMoE:
                     new = op = g.call_function(kk.mega_moe.default, (
                         arg("latent"), weights, ids, *common, arg("first_expert"), arg("group_name"),
                         arg("max_num_tokens"), *act))
-                    what = "mega_moe: EP exchange (all-gather dispatch, reduce-scatter combine), padding rows not routed"
+                    what = ("mega_moe: EP exchange " + ("inside DeepGEMM" if impl == "deepgemm" else
+                            "(all-gather dispatch, reduce-scatter combine)") + ", padding rows not routed")
                 else:
                     op = g.call_function(kk.expert_ffn.default, (
                         arg("latent"), arg("topk_weights"), arg("topk_ids"), *common, *act))
