@@ -8,6 +8,9 @@ projection and the replicated shared experts:
   CUDA graph on every rank;
 * stock: the same layer eagerly (stock ``kimi::ep_experts``: all-gather, a host-synced
   expert loop, all-reduce; not capturable);
+* stock, Inductor + graph: the stock layer compiled by Inductor with its experts in their
+  capturable form (all-gather, every local expert on every row, reduce-scatter), in a
+  CUDA graph;
 * floor: every non-expert weight, the weights of this rank's experts that got a pair,
   and the activations, at 4.28 TB/s (the exchange's communication not included).
 
@@ -23,6 +26,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -30,9 +34,37 @@ from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
 from moe_experts import eager_time_us  # noqa: E402
 from moe_layer import random_params, weight_bytes  # noqa: E402
 
+from kimi_inductor.baseline import stock_inductor  # noqa: E402
+
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
+from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
 from kimi_inductor.stock.moe import KimiMoE, router_logits, select_experts  # noqa: E402
+
+
+def _dense_ep_experts(latent, topk_weights, topk_ids, is_padding, w13, w2, first_expert, group_name, max_num_tokens,
+                      beta, linear_beta):
+    """Stock ``ep_experts`` in a capturable form: all-gather the rows, every local expert
+    on every row weighted by a dense routing matrix, reduce-scatter the fp32 sums."""
+    weights = torch.where(is_padding[:, None], 0.0, topk_weights.float())
+    x, w, ids = (fc.all_gather_tensor(t, 0, group_name) for t in (latent, weights, topk_ids))
+    local = ids.long() - first_expert
+    hit = (local >= 0) & (local < w13.shape[0])
+    route = torch.zeros(x.shape[0], w13.shape[0], device=x.device).scatter_add_(
+        1, torch.where(hit, local, 0), torch.where(hit, w, 0.0))
+    h = situ_and_mul(torch.matmul(x, w13.transpose(1, 2)), beta, linear_beta)  # [E, G c, I]
+    y = (torch.matmul(h, w2.transpose(1, 2)).float() * route.t()[:, :, None]).sum(0)
+    return fc.reduce_scatter_tensor(y, "sum", 0, group_name).to(latent.dtype)
+
+
+def stock_dense_ep_inductor(gm, example_inputs, **kwargs):
+    """``stock_inductor`` with ``ep_experts`` in its capturable dense form."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.kimi.ep_experts,
+                                                          torch.ops.kimi.ep_experts.default):
+            node.target = _dense_ep_experts
+    gm.recompile()
+    return stock_inductor(gm, example_inputs)
 
 
 def _rank(rank: int, world: int, port: int, rows_list: list[int], out: str) -> None:
@@ -66,8 +98,10 @@ def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
         x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
         pad = torch.zeros(rows, dtype=torch.bool, device=device)
         kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]}), dynamic=False)
+        inductor = torch.compile(step, backend=stock_dense_ep_inductor, dynamic=False)
         want, got = step(params, x, pad).float(), kimi(params, x, pad).float()
         err = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
+        inductor_err = float(((inductor(params, x, pad).float() - want).norm(dim=1) / want.norm(dim=1)).max())
         # this rank's experts that any rank's rows picked (what its experts read)
         _, ids = select_experts(router_logits(x, params["gate.weight"]), params["gate.e_score_correction_bias"],
                                 config.num_experts_per_token, True, 1.0)
@@ -75,14 +109,16 @@ def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
         dist.all_gather(every, ids)
         ids = torch.cat(every) - rank * local
         active = int(torch.unique(ids[(ids >= 0) & (ids < local)]).numel())
-        row = dict(rank=rank, rows=rows, active_experts=active, rel_err=err)
+        row = dict(rank=rank, rows=rows, active_experts=active, rel_err=err, inductor_rel_err=inductor_err)
         if not smoke:
             fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
             t_kimi = graph_time_us(lambda i: kimi(params, x, pad), calls=5, replays=5)
             dist.barrier()
+            t_inductor = graph_time_us(lambda i: inductor(params, x, pad), calls=5, replays=5)
+            dist.barrier()
             t_stock = eager_time_us(lambda: step(params, x, pad))
-            row.update(floor_us=fl, kimi_us=t_kimi, stock_eager_us=t_stock, kimi_x_floor=t_kimi / fl,
-                       speedup=t_stock / t_kimi)
+            row.update(floor_us=fl, kimi_us=t_kimi, inductor_us=t_inductor, stock_eager_us=t_stock,
+                       kimi_x_floor=t_kimi / fl, speedup_vs_inductor=t_inductor / t_kimi, speedup=t_stock / t_kimi)
         res.add(echo=rank == 0, **row)
     if out:
         res.dump(f"{out}.rank{rank}")
