@@ -49,7 +49,9 @@ def check_capacity(rows: int, max_num_tokens: int) -> None:
 def implementation(device: torch.device, hidden: int, intermediate: int) -> tuple[str, str]:
     """(name, reason) of what runs the op on ``device``: DeepGEMM MegaMoE where it can
     (SM100), else the all-gather / grouped Triton experts / reduce-scatter path."""
-    why = "compiled on the meta device" if device.type == "meta" else deepgemm.unsupported(device, hidden, intermediate)
+    if device.type == "meta":
+        return "chosen at run time", "compiled on the meta device"
+    why = deepgemm.unsupported(device, hidden, intermediate)
     if not why:
         return "deepgemm", "DeepGEMM fp8_fp4_mega_moe (MXFP4 experts, FP8 dispatch, NVLink exchange)"
     impl, reason = experts.implementation(device)

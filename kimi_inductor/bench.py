@@ -22,6 +22,7 @@ SUITE = {  # name: (script, arguments)
     "dsa_layer": ("mla_layer.py", ["--kind", "dsa", "--q", "1", "--context", "8192"]),
     "mla_kernel": ("mla_kernel.py", []),
     "gemm": ("gemm.py", ["--sweep"]),
+    "gemm_fusions": ("gemm_fusions.py", []),
     "moe_experts": ("moe_experts.py", []),
     "moe_layer": ("moe_layer.py", []),
     "mega_moe_ep2": ("mega_moe.py", ["--gpus", "2"]),  # only with two GPUs visible

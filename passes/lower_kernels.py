@@ -13,6 +13,11 @@ Matches and produces (M = rows, at most 64):
     kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
     kimi.dsa_decode(...)  (DSA, no DCP)             kimi_kernels.dsa_decode(...)
     kimi.attn_res(prefix, delta, bank, ...)         kimi_kernels.attn_res(prefix, delta, bank, ...)
+    <GEMM>(rms_norm(x, w_n, eps), W, acc)           kimi_kernels.rms_norm_mm(x, w_n, eps, W, acc, dt)
+    situ_and_mul(<GEMM>(x, W), b, lb)               kimi_kernels.mm_situ(x, W, b, lb)
+
+The two fusions (patterns in ``gemm_neighbours``) happen only where the CuTe GEMV runs
+the GEMM (``skinny_gemm.choose_fused``); elsewhere the GEMM is lowered alone.
 
 Each replacement computes the same function (the kernels' CPU references are the
 replaced ops; on CPU the lowered graph is bitwise the unlowered one). A GEMM with
@@ -41,6 +46,7 @@ from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
 from .decoder import ATTENTION_CORES, DecoderGraph
+from .gemm_neighbours import rms_norm_of, situ_of
 from .graph import OpCall, refresh_meta
 from .report import PassInfo
 
@@ -133,6 +139,8 @@ class LowerKernels:
                 continue
             per_node[_swap(g, call, torch.ops.kimi_kernels.attn_res.default, dict(call.node.kwargs))] = "attn_res"
             info.rewritten += 1
+        g.eliminate_dead_code()  # dead casts would count as readers of a norm or a GEMM
+        situ_after = {m[0]: (n, *m[1:]) for n in g.nodes if (m := situ_of(n)) is not None}  # GEMM -> its SiTU
         for node in list(g.nodes):
             gemm = match_gemm(node)
             if gemm is None:
@@ -142,17 +150,37 @@ class LowerKernels:
             M, K = x.meta["val"].shape
             N = w.meta["val"].shape[0]
             if not isinstance(M, int):
-                why = "symbolic rows"
-            else:
-                why = skinny_gemm.choose(M, N, K, x.meta["val"].dtype)[1]
+                kept[f"GEMM {N}x{K}: symbolic rows"] += 1
+                continue
+            dtype = x.meta["val"].dtype
+            why = skinny_gemm.choose(M, N, K, dtype)[1]
             if why:
                 kept[f"GEMM {N}x{K}: {why}"] += 1
                 continue
-            with g.inserting_before(node):
-                new = g.call_function(torch.ops.kimi_kernels.skinny_mm.default, (x, w, acc, out_dtype))
-            node.replace_all_uses_with(new)
-            g.erase_node(node)
-            per_node[new] = "gemm"
+            fusable = {}
+            for kind, found in (("rms_norm", rms_norm_of(x)),
+                                ("situ", situ_after.get(node) if acc is None and out_dtype == dtype else None)):
+                why = found is not None and skinny_gemm.choose_fused(kind, M, N, K, dtype)
+                if why:
+                    kept[f"{kind} next to GEMM {N}x{K}, not fused: {why}"] += 1
+                elif found is not None:
+                    fusable[kind] = found
+            if "situ" in fusable:
+                out, beta, linear_beta = fusable["situ"]  # x W^T and its SiTU-GLU: one op in place of the SiTU
+                with g.inserting_before(out):
+                    new = g.call_function(torch.ops.kimi_kernels.mm_situ.default, (x, w, beta, linear_beta))
+                new.meta["val"] = out.meta["val"]  # a later GEMM (the down-projection) reads it
+                out.replace_all_uses_with(new)
+                per_node[new] = "gemm_situ"
+            else:
+                norm = fusable.get("rms_norm")
+                with g.inserting_before(node):
+                    new = g.call_function(torch.ops.kimi_kernels.rms_norm_mm.default, (*norm, w, acc, out_dtype)) \
+                        if norm else g.call_function(torch.ops.kimi_kernels.skinny_mm.default, (x, w, acc, out_dtype))
+                new.meta["val"] = node.meta["val"]
+                node.replace_all_uses_with(new)
+                g.erase_node(node)
+                per_node[new] = "norm_gemm" if norm else "gemm"
             info.rewritten += 1
         g.eliminate_dead_code()
         gm.recompile()
@@ -197,7 +225,8 @@ def _region(src, dst):
     return _between(src, dst) if src is not None and dst is not None else set()
 
 
-LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM"}
+LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM",
+          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU"}
 
 
 def _summary(nodes, per_node) -> str:

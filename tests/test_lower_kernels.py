@@ -45,3 +45,57 @@ def test_cpu_router_gemm_is_matched_with_its_bf16_operands():
     xs, ws, acc, out_dtype = found[0]
     assert (xs.meta["val"].dtype, ws.meta["val"].dtype, acc, out_dtype) == (torch.bfloat16, torch.bfloat16, None,
                                                                          torch.float32)
+
+
+@pytest.mark.skipif(bool(__import__("kimi_inductor.kernels", fromlist=["skinny_gemm"]).skinny_gemm.cute_available()),
+                    reason="the fusions live in the CuTe GEMV (the cute extra)")
+@pytest.mark.parametrize("rows, fused", [(1, True), (8, False)])
+def test_norm_and_situ_fuse_into_their_gemms_at_k3_shapes(rows, fused):
+    """The latent MoE tail (RMSNorm -> up-projection with the shared experts' output as
+    accumulator), MLA's q_a norm -> q_b and the shared experts' gate_up -> SiTU at TP8
+    per-rank shapes, decomposed as AOTAutograd does: at one row each pair becomes one
+    fused op; at 8 rows (the Triton split-K's or cuBLAS's territory) nothing is fused
+    and the report says why."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kimi_inductor.passes.lower_kernels import LowerKernels
+    from kimi_inductor.stock.attn_res import rms_norm
+    from kimi_inductor.stock.layers import situ_and_mul
+
+    def tail(y, gy, w_up, shared, qa, gq, w_qb, x, w_gu):
+        up = torch.addmm(shared, rms_norm(y, gy, 1e-5), w_up.t())
+        q = rms_norm(qa, gq, 1e-6) @ w_qb.t()
+        return up, q, situ_and_mul(x @ w_gu.t(), 4.0, 25.0)
+
+    bf16 = torch.bfloat16
+    with FakeTensorMode():
+        args = [torch.empty(rows, 3584, dtype=bf16), torch.empty(3584, dtype=bf16), torch.empty(7168, 3584, dtype=bf16),
+                torch.empty(rows, 7168, dtype=bf16), torch.empty(rows, 1536, dtype=bf16),
+                torch.empty(1536, dtype=bf16), torch.empty(2304, 1536, dtype=bf16),
+                torch.empty(rows, 7168, dtype=bf16), torch.empty(12288, 7168, dtype=bf16)]
+        gm = make_fx(tail, decomposition_table=select_decomp_table())(*args)
+    info = LowerKernels()(gm, None)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    kk, aten = torch.ops.kimi_kernels, torch.ops.aten
+    if fused:
+        assert targets.count(kk.rms_norm_mm.default) == 2 and targets.count(kk.mm_situ.default) == 1
+        assert not {aten.rsqrt.default, aten.tanh.default, aten.mm.default, aten.addmm.default} & set(targets)
+    else:
+        assert not {kk.rms_norm_mm.default, kk.mm_situ.default} & set(targets)
+        assert any("GEMM 7168x3584: cuBLAS is the fastest" in s for s in info.skipped)  # no GEMV, no fusion
+        assert any("situ next to GEMM 12288x7168, not fused: tl_dot" in s for s in info.skipped)
+
+
+def test_fused_ops_compute_stock_on_cpu():
+    """The fused ops' CPU references are stock's functions around the same GEMM."""
+    from kimi_inductor.stock.attn_res import rms_norm
+    from kimi_inductor.stock.layers import situ_and_mul
+
+    g = torch.Generator().manual_seed(0)
+    x, w, nw = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in [(3, 64), (32, 64), (64,)])
+    acc = torch.randn(3, 32, generator=g).to(torch.bfloat16)
+    assert torch.equal(torch.ops.kimi_kernels.rms_norm_mm(x, nw, 1e-5, w, acc, torch.bfloat16),
+                       torch.addmm(acc, rms_norm(x, nw, 1e-5), w.t()))
+    assert torch.equal(torch.ops.kimi_kernels.mm_situ(x, w, 4.0, 25.0), situ_and_mul(x @ w.t(), 4.0, 25.0))

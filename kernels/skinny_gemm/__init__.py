@@ -18,6 +18,14 @@ Implementations, each deterministic (replicated GEMMs give every rank the same b
   * cuBLAS (``reference``), wherever it measured faster.
 Dispatch (``choose``): the fastest of the three per (N, K, M) as measured on H200 inside
 CUDA graphs (``FASTEST``); shapes not measured stay on cuBLAS.
+
+Two fused neighbours, where the CuTe GEMV runs (``choose_fused``; elsewhere the
+``lower_kernels`` pass leaves the pair unfused):
+  * ``kimi_kernels::rms_norm_mm``: ``[acc +] rms_norm(x, norm_weight, eps) W^T`` (the MLA
+    q_a norm before q_b, the latent MoE norm before its up-projection);
+  * ``kimi_kernels::mm_situ``: ``situ_and_mul(x W^T, beta, linear_beta)`` (the SiTU MLP's
+    gate_up, whose [gate | up] halves meet in one lane).
+Their CPU references are the stock functions composed with ``reference``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from kimi_inductor.stock.attn_res import rms_norm
+from kimi_inductor.stock.layers import situ_and_mul
 
 from ..common import INTERPRET, triton
 from . import tl_dot
@@ -89,6 +100,16 @@ def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
     return impl, ""
 
 
+def choose_fused(kind: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
+    """Why ``kind`` ('rms_norm' or 'situ') cannot be fused into this GEMM ('' when the CuTe
+    GEMV takes it); N: the weight's rows."""
+    impl, why = choose(M, N, K, dtype)
+    if impl != "cute_gemv":
+        return why or f"{impl} is the fastest plain GEMM here (the fusion lives in the CuTe GEMV)"
+    cg = _cute()
+    return cg.supported(M, N, K, fusion=cg.Fusion(eps=1.0) if kind == "rms_norm" else cg.Fusion(situ=(1.0, 1.0)))
+
+
 def _cute():
     from . import cute_gemv
 
@@ -114,6 +135,38 @@ def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch
 
 
 skinny_mm.register_fake(_fake)
+
+
+def _fused_here(x: Tensor, kind: str, weight: Tensor) -> bool:
+    return x.is_cuda and not choose_fused(kind, x.shape[0], weight.shape[0], x.shape[1], x.dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm_mm", mutates_args=())
+def rms_norm_mm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, acc: Optional[Tensor],
+                out_dtype: torch.dtype) -> Tensor:
+    if _fused_here(x, "rms_norm", weight):
+        cg = _cute()
+        return cg.run(x.contiguous(), weight.contiguous(), acc, out_dtype, fusion=cg.Fusion(eps=eps),
+                      norm_weight=norm_weight.contiguous())
+    return skinny_mm(rms_norm(x, norm_weight, eps), weight, acc, out_dtype)
+
+
+@rms_norm_mm.register_fake
+def _(x, norm_weight, eps, weight, acc, out_dtype):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mm_situ", mutates_args=())
+def mm_situ(x: Tensor, weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+    if _fused_here(x, "situ", weight):
+        cg = _cute()
+        return cg.run(x.contiguous(), weight.contiguous(), None, x.dtype, fusion=cg.Fusion(situ=(beta, linear_beta)))
+    return situ_and_mul(skinny_mm(x, weight, None, x.dtype), beta, linear_beta)
+
+
+@mm_situ.register_fake
+def _(x, weight, beta, linear_beta):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
 def reference(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:

@@ -19,6 +19,20 @@ next call. Each compiled shape has its own zeroed counters, allocated with its e
 before CUDA-graph capture: two GEMMs of one shape must not run concurrently on two
 streams.
 
+Fused neighbours (``Fusion``), each one launch instead of two:
+
+* RMSNorm prologue (``rms_norm_mm``): ``out = [acc +] rmsnorm(x) W^T``. Lanes multiply x
+  by the norm weight as they load it and also sum x^2 over their K chunk; the row's
+  ``rsqrt(mean(x^2) + eps)`` scales the finished dot products (a row scale commutes
+  with the GEMM), so no pass over x precedes the weight stream. With SPLIT > 1 the
+  chunks' sums of squares travel in column N of the workspace. Stock rounds the
+  normalised row to bf16 before its GEMM; here it stays fp32 (within one bf16 rounding
+  of the output).
+* SiTU-GLU epilogue (``mm_situ``): ``out = situ_and_mul(x W^T)`` for W = [gate; up]
+  [2 I, K]: a warp owns R outputs and streams both their gate rows n and up rows
+  I + n, so each output's two dot products meet in one lane, which rounds them to bf16
+  (stock's GEMM output), applies SiTU in fp32 and rounds once more (stock's points).
+
 Constraints (checked by ``supported``): K % (256 SPLIT) == 0, N % R == 0, 16-byte aligned
 rows.
 """
@@ -41,6 +55,17 @@ WARP = 32
 STEP = WARP * VEC  # K elements one warp covers per step
 MAX_ROWS = 8
 DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: Float32, torch.int32: Int32}
+
+
+class Fusion(NamedTuple):
+    """What the GEMV fuses: a RMSNorm prologue (``eps``), a SiTU-GLU epilogue (``situ`` =
+    (beta, linear beta)), or neither. Constants of the compiled kernel."""
+
+    eps: float | None = None
+    situ: tuple[float, float] | None = None
+
+
+PLAIN = Fusion()
 
 
 class Config(NamedTuple):
@@ -104,12 +129,24 @@ def config(M: int, N: int, K: int) -> Config:
     return Config(r, warps, split, min(4, steps // split))
 
 
-def supported(M: int, N: int, K: int, cfg: Config | None = None) -> str:
-    cfg = cfg or config(M, N, K)
+def fused_config(M: int, N: int, K: int, fusion: Fusion) -> Config:
+    """``config`` of the plain GEMM of the same weight; with SiTU a warp streams two weight
+    rows per output, so it takes half the outputs (the same weight rows in flight)."""
+    cfg = config(M, N, K)
+    return cfg._replace(r=max(1, cfg.r // 2)) if fusion.situ else cfg
+
+
+def supported(M: int, N: int, K: int, cfg: Config | None = None, fusion: Fusion = PLAIN) -> str:
+    """N: the weight's rows (2 I with SiTU)."""
+    cfg = cfg or fused_config(M, N, K, fusion)
+    if fusion.situ and N % 2:
+        return f"N={N}: SiTU needs [gate; up] halves"
+    N = N // 2 if fusion.situ else N
     if M > MAX_ROWS:
         return f"{M} rows (> {MAX_ROWS}: the CUDA cores no longer keep up with the weight stream)"
-    if M * cfg.r > WARP:
-        return f"{M} rows x {cfg.r} outputs per warp exceed the {WARP} lanes that write them"
+    wrows = 2 * cfg.r if fusion.situ else cfg.r
+    if M * wrows > WARP:
+        return f"{M} rows x {wrows} weight rows per warp exceed the {WARP} lanes that write them"
     if K % (STEP * cfg.split) or N % cfg.r:
         return f"N={N}, K={K}: K must split into whole {STEP}-element warp steps"
     return ""
@@ -118,29 +155,38 @@ def supported(M: int, N: int, K: int, cfg: Config | None = None) -> str:
 class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
-    def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype):
+    def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
+                 fusion: Fusion = PLAIN, k: int = 0):
         self.rows, self.r, self.warps, self.split, self.unroll = rows, r, warps, split, unroll
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
-        self.tile = warps * r
+        self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
+        self.eps, self.inv_k = fusion.eps or 0.0, 1.0 / max(k, 1)
+        self.beta, self.linear_beta = fusion.situ or (1.0, 1.0)
+        self.tile = warps * r  # outputs per CTA
+        self.wrows = 2 * r if self.situ else r  # weight rows per warp
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, w: cute.Tensor, acc: cute.Tensor, out: cute.Tensor, ws: cute.Tensor,
-                 counters: cute.Tensor, stream: CUstream):
-        n = cute.size(w, mode=[0])
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+                 ws: cute.Tensor, counters: cute.Tensor, stream: CUstream):
+        n = cute.size(out, mode=[1])
         k = cute.size(w, mode=[1])
         bits = VEC * self.in_dtype.width
         load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), self.in_dtype, num_bits_per_copy=bits,
                                      load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
         load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), self.in_dtype, num_bits_per_copy=bits,
                                      load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
-        self.kernel(x, w, acc, out, ws, counters, n, k, load_w, load_x).launch(
+        self.kernel(x, w, gamma, acc, out, ws, counters, n, k, load_w, load_x).launch(
             grid=[cute.ceil_div(n, self.tile), self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, acc: cute.Tensor, out: cute.Tensor, ws: cute.Tensor,
-               counters: cute.Tensor, n: Int32, k: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+               ws: cute.Tensor, counters: cute.Tensor, n: Int32, k: Int32, load_w: cute.CopyAtom,
+               load_x: cute.CopyAtom):
+        """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
+        with RMSNorm: the chunk's sum of x^2)]."""
         rows: cutlass.Constexpr = self.rows
         r: cutlass.Constexpr = self.r
+        wrows: cutlass.Constexpr = self.wrows
         split: cutlass.Constexpr = self.split
         tile: cutlass.Constexpr = self.tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -155,42 +201,56 @@ class SplitKGemv:
         steps = k // (STEP * split)
         kv0 = s * steps * WARP + lane
 
-        part = cute.make_rmem_tensor(cute.make_layout((rows, r), stride=(r, 1)), Float32)
+        part = cute.make_rmem_tensor(cute.make_layout((rows, wrows), stride=(wrows, 1)), Float32)
         part.fill(0.0)
+        sq = cute.make_rmem_tensor(cute.make_layout(rows), Float32)  # RMSNorm: sum of x^2
+        sq.fill(0.0)
         xr = cute.make_rmem_tensor(cute.make_layout((rows, VEC), stride=(VEC, 1)), self.in_dtype)
-        wr = cute.make_rmem_tensor(cute.make_layout((r, VEC), stride=(VEC, 1)), self.in_dtype)
+        wr = cute.make_rmem_tensor(cute.make_layout((wrows, VEC), stride=(VEC, 1)), self.in_dtype)
+        gr = cute.make_rmem_tensor(cute.make_layout(VEC), self.in_dtype)
+        gv = cute.logical_divide(gamma, (None, VEC))  # gamma [1, K]
         if n0 < n:
             for t in cutlass.range(steps, unroll=self.unroll):
                 kv = kv0 + t * WARP
-                for j in cutlass.range_constexpr(r):
-                    cute.copy(load_w, wv[n0 + j, (None, kv)], wr[j, None])
+                for j in cutlass.range_constexpr(wrows):  # SiTU: gate rows n0.., then up rows n + n0..
+                    cute.copy(load_w, wv[n0 + j % r + (j // r) * n, (None, kv)], wr[j, None])
                 for m in cutlass.range_constexpr(rows):
                     cute.copy(load_x, xv[m, (None, kv)], xr[m, None])
                 xf = xr.load().to(Float32)
                 wf = wr.load().to(Float32)
+                if const_expr(self.norm):
+                    cute.copy(load_x, gv[0, (None, kv)], gr)
+                    gf = gr.load().to(Float32)
                 for e in cutlass.range_constexpr(VEC):
                     for m in cutlass.range_constexpr(rows):
-                        for j in cutlass.range_constexpr(r):
-                            part[m, j] = part[m, j] + xf[m, e] * wf[j, e]
+                        xe = xf[m, e]
+                        if const_expr(self.norm):
+                            sq[m] = sq[m] + xe * xe
+                            xe = xe * gf[e]
+                        for j in cutlass.range_constexpr(wrows):
+                            part[m, j] = part[m, j] + xe * wf[j, e]
             for m in cutlass.range_constexpr(rows):
-                for j in cutlass.range_constexpr(r):
+                for j in cutlass.range_constexpr(wrows):
                     part[m, j] = cute.arch.warp_reduction_sum(part[m, j])
+                if const_expr(self.norm):
+                    sq[m] = cute.arch.warp_reduction_sum(sq[m])
 
         if const_expr(split == 1):
             if n0 < n:
                 for m in cutlass.range_constexpr(rows):
                     for j in cutlass.range_constexpr(r):
                         if lane == m * r + j:
-                            total = part[m, j]
-                            if const_expr(self.has_acc):
-                                total = total + acc[m, n0 + j].to(Float32)
-                            out[m, n0 + j] = total.to(self.out_dtype)
+                            up = part[m, r + j] if const_expr(self.situ) else part[m, j]
+                            out[m, n0 + j] = self.finish(part[m, j], up, sq[m], acc, m, n0 + j)
         else:
             if n0 < n:
                 for m in cutlass.range_constexpr(rows):
-                    for j in cutlass.range_constexpr(r):
-                        if lane == m * r + j:
-                            ws[s, m, n0 + j] = part[m, j]
+                    for j in cutlass.range_constexpr(wrows):
+                        if lane == m * wrows + j:
+                            ws[s, m, n0 + j % r + (j // r) * n] = part[m, j]
+                    if const_expr(self.norm):
+                        if lane == 0 and warp == 0:
+                            ws[s, m, n] = sq[m]  # every tile writes the same value
             cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_threads()
             flag = cute.make_rmem_tensor(cute.make_layout(1), Int32)
@@ -208,14 +268,31 @@ class SplitKGemv:
                     m = tidx // tile
                     nn = bx * tile + tidx % tile
                     if nn < n:
-                        total = Float32(0.0)
+                        total, up, ss = Float32(0.0), Float32(0.0), Float32(0.0)
                         for i in cutlass.range_constexpr(split):
                             total = total + ws[i, m, nn]
-                        if const_expr(self.has_acc):
-                            total = total + acc[m, nn].to(Float32)
-                        out[m, nn] = total.to(self.out_dtype)
+                            if const_expr(self.situ):
+                                up = up + ws[i, m, n + nn]
+                            if const_expr(self.norm):
+                                ss = ss + ws[i, m, n]
+                        out[m, nn] = self.finish(total, up, ss, acc, m, nn)
                 if tidx == 0:
                     counters[bx] = Int32(0)
+
+    @cute.jit
+    def finish(self, total: Float32, up: Float32, ss: Float32, acc: cute.Tensor, m: Int32, nn: Int32):
+        """One output from its dot product(s): SiTU of (gate, up) at stock's rounding points,
+        or the RMSNorm row scale, then the accumulator; rounded once to the output dtype."""
+        if const_expr(self.situ):
+            g = total.to(self.in_dtype).to(Float32)
+            u = up.to(self.in_dtype).to(Float32)
+            act = self.beta * cute.math.tanh(g / self.beta) / (Float32(1.0) + cute.math.exp(-g))
+            total = (act * (self.linear_beta * cute.math.tanh(u / self.linear_beta))).to(self.in_dtype).to(Float32)
+        if const_expr(self.norm):
+            total = total * cute.math.rsqrt(ss * self.inv_k + self.eps)
+        if const_expr(self.has_acc):
+            total = total + acc[m, nn].to(Float32)
+        return total.to(self.out_dtype)
 
 
 def _fake(dtype, shape):
@@ -223,13 +300,19 @@ def _fake(dtype, shape):
                                     assumed_align=16)
 
 
-def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = ""):
+def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
+                 fusion: Fusion = PLAIN):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
-    ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU."""
-    kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype])
-    args = (_fake(torch.bfloat16, (M, K)), _fake(torch.bfloat16, (N, K)), _fake(out_dtype, (M, N)),
-            _fake(out_dtype, (M, N)), _fake(torch.float32, (cfg.split, M, N)), _fake(torch.int32, (tiles(N, cfg),)),
+    ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
+    N: the weight's rows."""
+    kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
+                        fusion, K)
+    n_out = N // 2 if fusion.situ else N
+    args = (_fake(torch.bfloat16, (M, K)), _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
+            _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
+            _fake(torch.float32, (cfg.split, M, N + (fusion.eps is not None))),
+            _fake(torch.int32, (tiles(n_out, cfg),)),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # launches on torch's current stream
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *args, options=options)
@@ -243,19 +326,21 @@ _executors: dict[tuple, tuple[object, torch.Tensor]] = {}  # key -> (executor, i
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dtype: torch.dtype,
-        cfg: Config | None = None) -> torch.Tensor:
+        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
-    cfg = cfg or config(M, N, K)
-    key = (M, N, K, acc is not None, out_dtype, cfg, x.device.index)
+    n_out = N // 2 if fusion.situ else N
+    cfg = cfg or fused_config(M, N, K, fusion)
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
-        counters = torch.zeros(tiles(N, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
-        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg), counters
+        counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
+        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion), counters
     exe, counters = _executors[key]
-    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    ws = torch.empty(cfg.split, M, N, dtype=torch.float32, device=x.device)
-    exe(x, weight, acc if acc is not None else out, out, ws, counters)
+    out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
+    ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)
+    gamma = (norm_weight if norm_weight is not None else weight[0]).view(1, K)  # read only with RMSNorm
+    exe(x, weight, gamma, acc if acc is not None else out, out, ws, counters)
     return out

@@ -111,3 +111,60 @@ def test_cute_gemv_in_cuda_graph():
         graph.replay()
         want = x.float().cpu() @ w.float().cpu().t() + acc.float().cpu()
         check(out, want, torch.bfloat16)
+
+
+def fused_reference(kind, x, w, extra, acc):
+    """fp32 math of the fused op with stock's rounding points where ours keeps them."""
+    from kimi_inductor.stock.attn_res import rms_norm
+    from kimi_inductor.stock.layers import situ_and_mul
+
+    xc, wc = x.cpu(), w.cpu()
+    if kind == "rms_norm":
+        want = rms_norm(xc, extra.cpu(), 1e-5).float() @ wc.float().t()
+        return want + acc.cpu().float() if acc is not None else want
+    h = (xc.float() @ wc.float().t()).to(torch.bfloat16)  # stock's GEMM output, bf16
+    return situ_and_mul(h, 4.0, 25.0).float()
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind, N, K, with_acc", [("rms_norm", 7168, 3584, True), ("rms_norm", 2304, 1536, False),
+                                                  ("situ", 12288, 7168, False), ("situ", 1024, 2048, False)])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_cute_gemv_fusions_match_stock(kind, N, K, with_acc, M):
+    """RMSNorm prologue (within one bf16 rounding of the normalised row: 2^-6 of the
+    output) and SiTU epilogue (stock's rounding points: one bf16 ulp of h, two of the
+    output), at the K3 shapes and a K split; 3 calls bitwise equal."""
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    (x, w, acc), _ = operands(M, N, K, torch.bfloat16, with_acc)
+    g = torch.Generator().manual_seed(M)
+    extra = (1 + 0.1 * torch.randn(K, generator=g)).to(torch.bfloat16).to(DEVICE)
+    fusion = cute_gemv.Fusion(eps=1e-5) if kind == "rms_norm" else cute_gemv.Fusion(situ=(4.0, 25.0))
+    want = fused_reference(kind, x, w, extra, acc)
+    base = cute_gemv.fused_config(M, N, K, fusion)
+    for cfg in {base, base._replace(split=2), base._replace(split=1)}:
+        if cute_gemv.supported(M, N, K, cfg, fusion):
+            continue
+        outs = [cute_gemv.run(x, w, acc, torch.bfloat16, cfg, fusion, extra) for _ in range(3)]
+        got = outs[0].cpu().float()
+        assert got.shape == want.shape
+        assert ((got - want).abs() <= 2.0**-6 * want.abs().clamp_min(1.0) + 2e-3).all(), (cfg, (got - want).abs().max())
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    op = torch.ops.kimi_kernels.rms_norm_mm(x, extra, 1e-5, w, acc, torch.bfloat16) if kind == "rms_norm" \
+        else torch.ops.kimi_kernels.mm_situ(x, w, 4.0, 25.0)
+    assert op.shape == want.shape
+
+
+@needs_cute
+@pytest.mark.parametrize("M, N, K, fusion", [(1, 7168, 3584, "rms_norm"), (1, 2304, 1536, "rms_norm"),
+                                             (1, 12288, 7168, "situ"), (2, 1024, 2048, "situ")])
+def test_cute_gemv_fusions_compile_for_sm90a(M, N, K, fusion):
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    fusion = cute_gemv.Fusion(eps=1e-5) if fusion == "rms_norm" else cute_gemv.Fusion(situ=(4.0, 25.0))
+    for cfg in {cute_gemv.fused_config(M, N, K, fusion), cute_gemv.fused_config(M, N, K, fusion)._replace(split=2)}:
+        assert not cute_gemv.supported(M, N, K, cfg, fusion)
+        assert cute_gemv.compile_gemv(M, N, K, fusion.eps is not None, torch.bfloat16, cfg, arch="sm_90a",
+                                      fusion=fusion).has_gpu_module
