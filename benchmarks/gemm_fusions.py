@@ -6,7 +6,10 @@
 * Inductor: the stock math (norm + ``addmm`` / ``mm`` + SiTU) compiled by Inductor (cuBLAS);
 * floor: weight + activations at 4.28 TB/s.
 
-    python benchmarks/gemm_fusions.py --json gemm_fusions.json [--rows 1 2 4]
+    python benchmarks/gemm_fusions.py --json gemm_fusions.json [--rows 1 2] [--sweep]
+
+``--sweep`` also times the fused GEMV over a few configurations (outputs per warp, warps,
+K split, unroll) and records the best (``cute_gemv.TUNED_FUSED`` holds the winners).
 """
 
 from __future__ import annotations
@@ -44,9 +47,26 @@ def variants(fusion: str):
             lambda x, w, g, acc: situ_and_mul(x @ w.t(), 4.0, 25.0))
 
 
+def sweep(fusion: str, M: int, N: int, K: int, x, weights, g, acc) -> dict[str, float]:
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    fuse = cute_gemv.Fusion(eps=1e-5) if fusion == "rms_norm" else cute_gemv.Fusion(situ=(4.0, 25.0))
+    base = cute_gemv.fused_config(M, N, K, fuse)
+    cands = {base._replace(r=r, warps=w, split=sp, unroll=u)
+             for r in (1, 2, 4) for w in (2, 4, 8) for sp in (1, 2) for u in (2, 4, 8)}
+    times = {}
+    for cfg in sorted(c for c in cands if not cute_gemv.supported(M, N, K, c, fuse)
+                      and K // (cute_gemv.STEP * c.split) >= c.unroll):
+        times[",".join(map(str, cfg))] = graph_time_us(
+            lambda i: cute_gemv.run(x, weights[i % len(weights)], acc, torch.bfloat16, cfg, fuse, g), calls=10,
+            replays=5)
+    return times
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--sweep", action="store_true")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -69,6 +89,10 @@ def main(argv=None) -> Results:
                 row[f"{label}_us"] = graph_time_us(lambda i: fn(x, weights[i % args.copies], g, acc))
             row.update(fused_frac=fl / row["fused_us"], vs_unfused=row["unfused_us"] / row["fused_us"],
                        vs_inductor=row["inductor_us"] / row["fused_us"])
+            if args.sweep:
+                times = sweep(fusion, M, N, K, x, weights, g, acc)
+                best = min(times, key=times.get)
+                row.update(best_cfg=best, best_us=times[best], sweep=times)
             res.add(**row)
         del weights
     if args.json:

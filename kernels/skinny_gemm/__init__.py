@@ -101,12 +101,15 @@ def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
 
 
 def choose_fused(kind: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
-    """Why ``kind`` ('rms_norm' or 'situ') cannot be fused into this GEMM ('' when the CuTe
-    GEMV takes it); N: the weight's rows."""
+    """Why ``kind`` ('rms_norm' or 'situ') is not fused into this GEMM ('' when the CuTe
+    GEMV takes both: at the shapes and rows where that measured faster on H200,
+    ``cute_gemv.TUNED_FUSED``); N: the weight's rows."""
     impl, why = choose(M, N, K, dtype)
     if impl != "cute_gemv":
         return why or f"{impl} is the fastest plain GEMM here (the fusion lives in the CuTe GEMV)"
     cg = _cute()
+    if (kind, N, K, M) not in cg.TUNED_FUSED:
+        return "not measured faster than the unfused pair at this shape (cute_gemv.TUNED_FUSED)"
     return cg.supported(M, N, K, fusion=cg.Fusion(eps=1.0) if kind == "rms_norm" else cg.Fusion(situ=(1.0, 1.0)))
 
 

@@ -129,9 +129,29 @@ def config(M: int, N: int, K: int) -> Config:
     return Config(r, warps, split, min(4, steps // split))
 
 
+# (fusion, N, K, M) -> the best configuration of the H200 sweep of the fused GEMVs
+# (benchmarks/gemm_fusions.py --sweep, docs/results/gemm_fusions_h200_sweep.json); the
+# fusions are used only here, where they measured faster than the unfused pair.
+TUNED_FUSED = {
+    ("rms_norm", 7168, 3584, 1): Config(2, 8, 1, 2),  # MoE latent norm -> up-projection
+    ("rms_norm", 7168, 3584, 2): Config(2, 2, 1, 2),
+    ("rms_norm", 2304, 1536, 1): Config(1, 4, 1, 2),  # MLA q_a norm -> q_b
+    ("rms_norm", 2304, 1536, 2): Config(2, 2, 1, 2),
+    ("situ", 12288, 7168, 1): Config(2, 4, 1, 4),  # shared experts gate_up -> SiTU
+    ("situ", 12288, 7168, 2): Config(1, 2, 1, 4),
+}
+
+
+def fusion_kind(fusion: Fusion) -> str:
+    return "situ" if fusion.situ else "rms_norm" if fusion.eps is not None else ""
+
+
 def fused_config(M: int, N: int, K: int, fusion: Fusion) -> Config:
-    """``config`` of the plain GEMM of the same weight; with SiTU a warp streams two weight
-    rows per output, so it takes half the outputs (the same weight rows in flight)."""
+    """TUNED_FUSED where measured; else ``config`` of the plain GEMM of the same weight,
+    with SiTU's warps taking half the outputs (two weight rows each: the same rows in
+    flight)."""
+    if (fusion_kind(fusion), N, K, M) in TUNED_FUSED:
+        return TUNED_FUSED[(fusion_kind(fusion), N, K, M)]
     cfg = config(M, N, K)
     return cfg._replace(r=max(1, cfg.r // 2)) if fusion.situ else cfg
 
