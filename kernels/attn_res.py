@@ -9,10 +9,11 @@ post-attention layernorm) scales the mix; bf16 out.
 
 Layout: one program per row holds the whole hidden row (H = 7168: 8192 lanes over 16
 warps) and walks the sources once with an online softmax (running max, sum and
-weighted sum, fp32; the next source's load in flight while one is reduced), so each
-bank row is read once and the prefix update, the bank write, the mix and the output
-norm are one launch instead of Inductor's chain of reductions. Stock's
-softmax-then-sum and the online form differ only in fp32 rounding
+weighted sum, fp32; sources in pairs, their four sums in one block reduction, the next
+pair's loads in flight while one is reduced), so each bank row is read once and the
+prefix update, the bank write, the mix and the output norm are one launch instead of
+Inductor's chain of reductions. Stock's softmax-then-sum and the online form differ
+only in fp32 rounding
 order (outputs within one bf16 rounding).
 
 Byte floor of one call: R rows x (prefix read + write, delta, bank row write,
@@ -49,6 +50,14 @@ def supported(hidden: int, dtype: torch.dtype) -> str:
 if triton is not None:
 
     @triton.jit
+    def _scores(a, b, query, H, eps):
+        """<s, query> * rsqrt(mean(s^2) + eps) of two sources: the four sums in one block
+        reduction."""
+        sums = tl.sum(tl.join(tl.join(a * query, b * query), tl.join(a * a, b * b)), 0)  # [(a, b), (dot, sq)]
+        dots, sqs = tl.split(sums)
+        return tl.split(dots * tl.rsqrt(sqs / H + eps))
+
+    @triton.jit
     def _attn_res_kernel(prefix_ptr, stride_prefix, delta_ptr, stride_delta, bank_ptr, stride_bank_r,
                          stride_bank_b, norm_ptr, qk_ptr, out_norm_ptr, out_ptr, stride_out, H, num_blocks,
                          write_idx, eps, out_eps, BH: tl.constexpr, HAS_DELTA: tl.constexpr,
@@ -69,21 +78,24 @@ if triton is not None:
             tl.load(qk_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         mixed = p
         if num_blocks > 0:
-            s = tl.load(bank_row + offs, mask=mask, other=0.0)
-            best = tl.sum(p * query, 0) * tl.rsqrt(tl.sum(p * p, 0) / H + eps)  # the last source: p
+            best, _ = _scores(p, p, query, H, eps)  # the last source: p
             total = 1.0
             acc = p
-            for j in range(0, num_blocks):
-                # prefetch the next source while this one is reduced (hides the load latency)
-                nxt = tl.load(bank_row + (j + 1) * stride_bank_b + offs, mask=mask & (j + 1 < num_blocks), other=0.0)
-                sf = s.to(tl.float32)
-                score = tl.sum(sf * query, 0) * tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)
-                top = tl.maximum(best, score)
-                keep, w = tl.exp(best - top), tl.exp(score - top)
-                acc = acc * keep + sf * w
-                total = total * keep + w
+            src = bank_row + offs
+            a = tl.load(src, mask=mask, other=0.0)
+            b = tl.load(src + stride_bank_b, mask=mask & (1 < num_blocks), other=0.0)
+            for j in range(0, num_blocks, 2):  # sources in pairs, the next pair's loads in flight
+                na = tl.load(src + (j + 2) * stride_bank_b, mask=mask & (j + 2 < num_blocks), other=0.0)
+                nb = tl.load(src + (j + 3) * stride_bank_b, mask=mask & (j + 3 < num_blocks), other=0.0)
+                af, bf = a.to(tl.float32), b.to(tl.float32)
+                score_a, score_b = _scores(af, bf, query, H, eps)
+                score_b = tl.where(j + 1 < num_blocks, score_b, float("-inf"))
+                top = tl.maximum(best, tl.maximum(score_a, score_b))
+                keep, wa, wb = tl.exp(best - top), tl.exp(score_a - top), tl.exp(score_b - top)
+                acc = acc * keep + af * wa + bf * wb
+                total = total * keep + wa + wb
                 best = top
-                s = nxt
+                a, b = na, nb
             mixed = acc / total
         if HAS_OUT_NORM:
             w_out = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
