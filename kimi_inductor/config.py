@@ -113,6 +113,12 @@ def vllm_settings(vllm_config) -> dict[str, Any]:
     return settings
 
 
+def decode_requested(vllm_config) -> bool:
+    """Whether the deployment asks for kimi_specialized's decode (``decode_backend`` is
+    ``latency_specialized``; no validation: ``specialized_decode_config`` does that)."""
+    return vllm_settings(vllm_config).get("decode_backend", "auto") == "latency_specialized"
+
+
 def specialized_decode_config(vllm_config, capability: tuple[int, int] | None = None) -> DecodeConfig | None:
     """The deployment's kimi_specialized decode settings; None for the stock decode.
 

@@ -5,7 +5,11 @@ Importing this module imports vLLM; everything else in kimi_inductor works witho
 * ``plugin()`` is our ``vllm.general_plugins`` entry point: vLLM runs it in every
   process before the model loads. It registers the ``kimi_specialized`` Dynamo backend
   (so ``compilation_config={"mode": 1 or 2, "backend": "kimi_specialized"}`` resolves
-  it by name) and publishes ``kimi_inductor.kimi_pass``. It is idempotent.
+  it by name), publishes ``kimi_inductor.kimi_pass``, points vLLM's registry for the K3
+  architectures at ``kimi_inductor.vllm_k3`` (a compilable backbone, imported lazily
+  when a K3 model loads) and keeps a deployment that asks for ``latency_specialized``
+  off vLLM's breakable-CUDA-graph default (which would force compilation mode NONE).
+  It is idempotent.
 * ``KimiInductorPass`` is a vLLM ``InductorPass`` running our pass manager, for
   ``compilation_config={"inductor_compile_config": {"post_grad_custom_post_pass":
   KimiInductorPass()}}`` in mode 3. It holds only plain options (vLLM deep-copies the
@@ -20,7 +24,7 @@ from typing import Any, Mapping
 from torch import fx
 from vllm.compilation.passes.inductor_pass import InductorPass
 
-from .config import Options, options_from_vllm
+from .config import Options, decode_requested, options_from_vllm
 from .passes.manager import KimiPasses
 from .passes.report import MatchReport
 
@@ -40,11 +44,39 @@ def plugin() -> None:
     ``kimi_inductor.kimi_pass`` so that the JSON/CLI form
     ``{"inductor_passes": {"post_grad_custom_post_pass": "kimi_inductor.kimi_pass"}}``
     resolves (vLLM looks the name up in the package's ``__dict__``)."""
+    from vllm import ModelRegistry
+
     import kimi_inductor
 
     kimi_inductor.register()
     if not isinstance(kimi_inductor.__dict__.get("kimi_pass"), KimiInductorPass):
         kimi_inductor.kimi_pass = KimiInductorPass()
+    for arch in K3_ARCHITECTURES:
+        ModelRegistry.register_model(arch, f"kimi_inductor.vllm_k3:{arch}")
+    _keep_compilable()
+
+
+K3_ARCHITECTURES = ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration")
+
+
+def _keep_compilable() -> None:
+    """``VllmConfig._uses_breakable_cudagraph_by_default`` is False for a K3 deployment
+    that asks for ``latency_specialized`` (vLLM 0.33.0 lists K3 there, which sets
+    compilation mode NONE); unchanged for every other deployment."""
+    from vllm.config import VllmConfig
+
+    stock = VllmConfig._uses_breakable_cudagraph_by_default
+    if getattr(stock, "kimi_inductor", False):
+        return
+
+    def uses_breakable_cudagraph_by_default(self) -> bool:
+        model = self.model_config
+        if model is not None and set(model.architectures) & set(K3_ARCHITECTURES) and decode_requested(self):
+            return False
+        return stock(self)
+
+    uses_breakable_cudagraph_by_default.kimi_inductor = True
+    VllmConfig._uses_breakable_cudagraph_by_default = uses_breakable_cudagraph_by_default
 
 
 class KimiInductorPass(InductorPass):

@@ -229,3 +229,33 @@ def test_importing_vllm_from_a_checkout_keeps_our_ops():
 
     assert torch.ops.kimi_kernels.mega_moe.default in ROUTED_EXPERTS
     assert torch.ops.kimi_kernels.kda_decode.default in ATTENTION_CORES
+
+
+def test_plugin_makes_k3_compilable_when_asked(model_dir, monkeypatch):
+    """After the plugin: vLLM's registry loads the K3 architectures through
+    kimi_inductor.vllm_k3, whose backbone is a @support_torch_compile module enabled only
+    with our decode_backend; such a deployment is kept off the breakable-CUDA-graph
+    default (which forces mode NONE), any other keeps vLLM's behaviour."""
+    from vllm import ModelRegistry
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    from kimi_inductor.config import decode_requested
+    from kimi_inductor.vllm_glue import K3_ARCHITECTURES, plugin
+
+    plugin()
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)  # vLLM sets it per process
+    ours = deployment(model_dir, kimi=ON, mode=2, backend="kimi_specialized")
+    assert ours.compilation_config.mode == 2
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    stock = deployment(model_dir, mode=2, backend="kimi_specialized")
+    assert stock.compilation_config.mode == 0  # vLLM's K3 default: breakable graphs, no compile
+    assert decode_requested(ours) and not decode_requested(stock)
+
+    cls = ModelRegistry._try_load_model_cls("KimiLinearForCausalLM")
+    import vllm.models.kimi_k3.nvidia.model as k3
+
+    import kimi_inductor.vllm_k3 as ours_k3
+    assert cls is k3.KimiLinearForCausalLM is ours_k3.KimiLinearForCausalLM
+    assert set(K3_ARCHITECTURES) == {"KimiLinearForCausalLM", "KimiK3ForConditionalGeneration"}
+    backbone = k3.KimiLinearModel  # what KimiLinearForCausalLM builds
+    assert backbone is ours_k3.KimiLinearModel and issubclass(backbone, TorchCompileWithNoGuardsWrapper)
