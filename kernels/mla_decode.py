@@ -33,8 +33,8 @@ for the causal mask, the loop stops at the rank's own count of positions, an opt
 the fp32 partial output with its log-sum-exp for the cross-rank merge.
 
 ``kimi_kernels::dsa_decode`` (stock ``kimi::dsa_decode``, DSA without DCP): the cache
-writes and the indexer's top-k stay stock's torch code (``stock.dsa.select_topk``), and
-the attention is this kernel with the ``selected`` mask. It still streams every
+writes, the indexer's scores and top-k (``kimi_kernels.dsa_select``, ``dsa_index.py``),
+and the attention is this kernel with the ``selected`` mask. It still streams every
 position below seq_len and masks the unselected ones: at long context a gather over the
 top-k indices (2048 positions, whatever the context) is what reads fewer bytes.
 """
@@ -47,11 +47,11 @@ import torch
 from torch import Tensor
 
 from kimi_inductor.stock import dcp
-from kimi_inductor.stock.dsa import select_topk
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.mla import write_cache
 
 from .common import INTERPRET, SMS, bf16_round, tl, triton
+from .dsa_index import dsa_select
 
 NAMESPACE = "kimi_kernels"
 BS = 32  # the default positions per step (``tiles``)
@@ -270,15 +270,15 @@ def _dsa_fake(ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, in
 def dsa_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, index_q: Tensor, index_k: Tensor,
                index_w: Tensor, kv_cache: Tensor, index_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
                seq_lens: Tensor, topk: int, scale: float) -> Tensor:
-    """DSA's core (stock ``kimi::dsa_decode``): both cache writes and the indexer's top-k
-    as stock computes them (torch), then this kernel over the selected positions."""
+    """DSA's core (stock ``kimi::dsa_decode``): both cache writes, the indexer's top-k
+    (``dsa_select``), then this kernel over the selected positions."""
     args = (ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, index_cache, slot_mapping,
             block_table, seq_lens, topk, scale)
     if not _use_triton(ql_nope, q_pe):
         return REFERENCES[torch.ops.kimi.dsa_decode.default](*args)
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
     write_cache(index_cache, slot_mapping, index_k)
-    selected = select_topk(index_q, index_w, index_cache, block_table, seq_lens, topk)
+    selected = dsa_select(index_q, index_w, index_cache, block_table, seq_lens, topk)
     return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected.flatten(0, 1))
 
 

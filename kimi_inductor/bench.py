@@ -23,6 +23,7 @@ SUITE = {  # name: (script, arguments)
     "mla_kernel": ("mla_kernel.py", []),
     "gemm": ("gemm.py", ["--sweep"]),
     "gemm_fusions": ("gemm_fusions.py", []),
+    "dsa_index": ("dsa_index.py", []),
     "moe_experts": ("moe_experts.py", []),
     "moe_layer": ("moe_layer.py", []),
     "mega_moe_ep2": ("mega_moe.py", ["--gpus", "2"]),  # only with two GPUs visible
