@@ -1,7 +1,8 @@
 """DSA's indexer alone (scores of every visible position + top-2048, K3.1 shapes: 32 heads
 x 128, the paged bf16 index cache) at q = 1: ``kimi_kernels.dsa_select`` vs stock's
 ``select_topk`` compiled by Inductor (gathered keys, fp32 einsum, stable full sort) vs
-the byte floor (the index cache rows below seq_len + the scores), in CUDA graphs.
+the byte floor (the index cache rows below seq_len + the scores), in CUDA graphs; with
+the scoring kernel alone and the two top-k forms (threshold, int64 keys) timed apart.
 
     python benchmarks/dsa_index.py --json dsa_index.json [--requests 1 8 32 64] [--context 8192 32768]
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
 
 import kimi_inductor.kernels  # noqa: E402,F401
+from kimi_inductor.kernels import dsa_index  # noqa: E402
 from kimi_inductor.stock.dsa import select_topk  # noqa: E402
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
@@ -47,6 +49,10 @@ def main(argv=None) -> Results:
         row = dict(requests=R, context=context, floor_us=fl, same_selection=same)
         row["inductor_us"] = graph_time_us(lambda i: stock(*call), calls=5, replays=5)
         row["ours_us"] = graph_time_us(lambda i: torch.ops.kimi_kernels.dsa_select(*call), calls=5, replays=5)
+        sc = dsa_index.scores(*call[:5])
+        row["scores_only_us"] = graph_time_us(lambda i: dsa_index.scores(*call[:5]), calls=5, replays=5)
+        row["topk_keys_us"] = graph_time_us(lambda i: dsa_index.topk_mask_keys(sc, TOPK), calls=5, replays=5)
+        row["topk_threshold_us"] = graph_time_us(lambda i: dsa_index.topk_mask(sc, TOPK), calls=5, replays=5)
         row.update(speedup=row["inductor_us"] / row["ours_us"], ours_x_floor=row["ours_us"] / fl)
         res.add(**row)
         del cache

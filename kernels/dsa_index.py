@@ -100,7 +100,18 @@ def scores(index_q: Tensor, index_w: Tensor, index_cache: Tensor, block_table: T
 
 def topk_mask(scores: Tensor, topk: int) -> Tensor:
     """Stock's ``topk_mask`` (the ``topk`` best visible positions, ties to the earlier one)
-    as one top-k on (score, position) keys."""
+    without a sort: t = the k-th largest score (one fp32 ``torch.topk``); every score
+    above t is chosen, and of those equal to t the earliest ones, up to k in all."""
+    k = min(topk, scores.shape[-1])
+    t = torch.topk(scores, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above = scores > t
+    tied = scores == t
+    room = k - above.sum(-1, keepdim=True)
+    return (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
+
+
+def topk_mask_keys(scores: Tensor, topk: int) -> Tensor:
+    """The same selection as one top-k on int64 (score, position) keys (benchmark only)."""
     W = scores.shape[-1]
     bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are one score
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # int order = float order
