@@ -2,7 +2,7 @@
 x 128, the paged bf16 index cache) at q = 1: ``kimi_kernels.dsa_select`` vs stock's
 ``select_topk`` compiled by Inductor (gathered keys, fp32 einsum, stable full sort) vs
 the byte floor (the index cache rows below seq_len + the scores), in CUDA graphs; with
-the scoring kernel alone and the two top-k forms (threshold, int64 keys) timed apart.
+the scoring kernel and the top-k timed apart.
 
     python benchmarks/dsa_index.py --json dsa_index.json [--requests 1 8 32 64] [--context 8192 32768]
 """
@@ -51,8 +51,7 @@ def main(argv=None) -> Results:
         row["ours_us"] = graph_time_us(lambda i: torch.ops.kimi_kernels.dsa_select(*call), calls=5, replays=5)
         sc = dsa_index.scores(*call[:5])
         row["scores_only_us"] = graph_time_us(lambda i: dsa_index.scores(*call[:5]), calls=5, replays=5)
-        row["topk_keys_us"] = graph_time_us(lambda i: dsa_index.topk_mask_keys(sc, TOPK), calls=5, replays=5)
-        row["topk_threshold_us"] = graph_time_us(lambda i: dsa_index.topk_mask(sc, TOPK), calls=5, replays=5)
+        row["topk_us"] = graph_time_us(lambda i: dsa_index.topk_mask(sc, TOPK), calls=5, replays=5)
         row.update(speedup=row["inductor_us"] / row["ours_us"], ours_x_floor=row["ours_us"] / fl)
         res.add(**row)
         del cache

@@ -17,7 +17,11 @@ scores, -inf where not visible. The top-k is one ``torch.topk`` on int64 keys
 the best scores and, among equal scores, the earliest positions: stock's stable
 descending sort, without sorting the whole row.
 
-Byte floor: the index cache rows below seq_len (d x 2 bytes each) plus the scores.
+Byte floor: the index cache rows below seq_len (d x 2 bytes each) plus the scores. On
+the H200 (benchmarks/dsa_index.py) the scoring kernel takes 4-48 us at 8K positions x
+1-64 requests, and ``torch.topk`` (k = 2048, radix passes over 64-bit keys) 60-105 us:
+the top-k, not the scoring, is what is left; a selection kernel is the next step (a
+threshold form, one fp32 top-k for the k-th score and then the ties, measured slower).
 Scores differ from stock's fp32 einsum only in summation order; exact zeros (ReLU) and
 exact ties are the same, so the selection is stock's except for scores that agree to
 fp32 rounding.
@@ -100,18 +104,8 @@ def scores(index_q: Tensor, index_w: Tensor, index_cache: Tensor, block_table: T
 
 def topk_mask(scores: Tensor, topk: int) -> Tensor:
     """Stock's ``topk_mask`` (the ``topk`` best visible positions, ties to the earlier one)
-    without a sort: t = the k-th largest score (one fp32 ``torch.topk``); every score
-    above t is chosen, and of those equal to t the earliest ones, up to k in all."""
-    k = min(topk, scores.shape[-1])
-    t = torch.topk(scores, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    above = scores > t
-    tied = scores == t
-    room = k - above.sum(-1, keepdim=True)
-    return (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
-
-
-def topk_mask_keys(scores: Tensor, topk: int) -> Tensor:
-    """The same selection as one top-k on int64 (score, position) keys (benchmark only)."""
+    as one top-k on int64 keys: the score's order-preserving bits above the reversed
+    position."""
     W = scores.shape[-1]
     bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are one score
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # int order = float order
