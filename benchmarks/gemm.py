@@ -4,7 +4,8 @@ vs cuBLAS vs the byte floor, each in a CUDA graph.
     python benchmarks/gemm.py --json gemm.json [--rows 1 2 4 8 16 32 64] [--sweep]
 
 ``--sweep`` also times a few CuTe configurations around ``cute_gemv.config`` (outputs per
-warp x K split) and records the best; ``fastest`` is what ``skinny_gemm.FASTEST`` holds.
+warp x K split, and for 1-2 outputs per warp 4 or 8 warps x 2- or 4-deep unroll) and
+records the best; ``fastest`` is what ``skinny_gemm.FASTEST`` holds.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def cute_configs(M, N, K, sweep):
         for r in (1, 2, 4):
             for split in splits[max(0, i - 1):i + 2]:
                 cands.add(base._replace(r=r, split=split, unroll=min(4, steps // split)))
+                if r <= 2:  # fewer bytes in flight per warp, more warps per CTA
+                    cands |= {base._replace(r=r, warps=w, split=split, unroll=u)
+                              for w in (4, 8) for u in (2, 4) if u <= steps // split}
     return [c for c in cands if not cute_gemv.supported(M, N, K, c)], base
 
 

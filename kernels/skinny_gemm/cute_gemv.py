@@ -75,34 +75,36 @@ class Config(NamedTuple):
     unroll: int  # warp steps in flight
 
 
-# (N, K, M) -> the best configuration of the H200 sweep at the TP8 shapes
-# (benchmarks/gemm.py --sweep, docs/results/gemm_h200_v2.json); ``config`` elsewhere.
+# (N, K, M) -> the best configuration of the H200 sweeps at the TP8 shapes
+# (benchmarks/gemm.py --sweep: docs/results/gemm_h200_v2.json, and the wider sweep with
+# 8 warps and 2-deep unroll, gemm_h200_v4_{small,large}.json, for 1 row and the small
+# shapes at 2); ``config`` elsewhere.
 TUNED = {
     (6288, 7168, 1): Config(1, 4, 1, 4),
     (6288, 7168, 2): Config(2, 4, 1, 4),
     (6288, 7168, 4): Config(4, 4, 1, 4),
-    (7168, 1536, 1): Config(2, 4, 1, 4),
-    (7168, 1536, 2): Config(2, 4, 1, 4),
+    (7168, 1536, 1): Config(2, 8, 1, 2),
+    (7168, 1536, 2): Config(2, 4, 1, 2),
     (7168, 1536, 4): Config(2, 4, 1, 4),
-    (3648, 7168, 1): Config(2, 4, 2, 4),
+    (3648, 7168, 1): Config(1, 4, 1, 2),
     (3648, 7168, 2): Config(1, 4, 1, 4),
     (3648, 7168, 4): Config(4, 4, 2, 4),
-    (2304, 1536, 1): Config(2, 4, 2, 3),
-    (2304, 1536, 2): Config(1, 4, 1, 4),
+    (2304, 1536, 1): Config(1, 4, 1, 2),
+    (2304, 1536, 2): Config(1, 4, 1, 2),
     (2304, 1536, 4): Config(1, 4, 1, 4),
-    (896, 7168, 1): Config(2, 4, 7, 4),
-    (896, 7168, 2): Config(2, 4, 7, 4),
+    (896, 7168, 1): Config(1, 8, 7, 2),
+    (896, 7168, 2): Config(2, 8, 7, 4),
     (896, 7168, 4): Config(2, 4, 7, 4),
-    (3584, 7168, 1): Config(2, 4, 2, 4),
+    (3584, 7168, 1): Config(1, 4, 1, 4),
     (3584, 7168, 2): Config(1, 4, 1, 4),
     (3584, 7168, 4): Config(4, 4, 2, 4),
-    (7168, 3584, 1): Config(2, 4, 1, 4),
+    (7168, 3584, 1): Config(2, 4, 1, 2),
     (7168, 3584, 2): Config(2, 4, 1, 4),
     (7168, 3584, 4): Config(2, 4, 1, 4),
     (12288, 7168, 1): Config(1, 4, 1, 4),
     (12288, 7168, 2): Config(1, 4, 1, 4),
     (12288, 7168, 4): Config(4, 4, 1, 4),
-    (7168, 6144, 1): Config(2, 4, 1, 4),
+    (7168, 6144, 1): Config(2, 4, 1, 2),
     (7168, 6144, 2): Config(2, 4, 1, 4),
     (7168, 6144, 4): Config(2, 4, 1, 4),
 }
