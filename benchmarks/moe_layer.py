@@ -17,6 +17,7 @@ up-projection, shared experts, inside CUDA graphs:
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 import os
 import sys
 
@@ -37,14 +38,20 @@ def _dense_fused(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta):
     return dense_experts(latent, topk_weights, topk_ids, w13, w2).to(latent.dtype)
 
 
-def stock_dense_inductor(gm, example_inputs, **kwargs):
-    """``stock_inductor`` with the routed experts in their capturable dense form."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (torch.ops.kimi.fused_experts,
-                                                          torch.ops.kimi.fused_experts.default):
-            node.target = _dense_fused
-    gm.recompile()
-    return stock_inductor(gm, example_inputs)
+def stock_inductor_with(capturable: dict) -> Callable:
+    """``stock_inductor`` with each stock op in ``capturable`` (op overload -> function)
+    replaced by its capturable form."""
+
+    def backend(gm, example_inputs, **kwargs):
+        for node in gm.graph.nodes:
+            target = node.target
+            op = target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
+            if node.op == "call_function" and op in capturable:
+                node.target = capturable[op]
+        gm.recompile()
+        return stock_inductor(gm, example_inputs)
+
+    return backend
 
 
 def random_params(layer: KimiMoE, device) -> dict[str, torch.Tensor]:
@@ -89,7 +96,8 @@ def main(argv=None) -> Results:
         torch._dynamo.reset()
         x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
         pad = torch.zeros(rows, dtype=torch.bool, device=device)
-        stock = torch.compile(step, backend=stock_dense_inductor, dynamic=False)
+        dense = stock_inductor_with({torch.ops.kimi.fused_experts.default: _dense_fused})
+        stock = torch.compile(step, backend=dense, dynamic=False)
         kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]}), dynamic=False)
         want, got = stock(params, x, pad).float(), kimi(params, x, pad).float()
         err = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())

@@ -32,9 +32,8 @@ from torch.func import functional_call
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
 from moe_experts import eager_time_us  # noqa: E402
-from moe_layer import random_params, weight_bytes  # noqa: E402
+from moe_layer import random_params, stock_inductor_with, weight_bytes  # noqa: E402
 
-from kimi_inductor.baseline import stock_inductor  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
@@ -55,16 +54,6 @@ def _dense_ep_experts(latent, topk_weights, topk_ids, is_padding, w13, w2, first
     h = situ_and_mul(torch.matmul(x, w13.transpose(1, 2)), beta, linear_beta)  # [E, G c, I]
     y = (torch.matmul(h, w2.transpose(1, 2)).float() * route.t()[:, :, None]).sum(0)
     return fc.reduce_scatter_tensor(y, "sum", 0, group_name).to(latent.dtype)
-
-
-def stock_dense_ep_inductor(gm, example_inputs, **kwargs):
-    """``stock_inductor`` with ``ep_experts`` in its capturable dense form."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (torch.ops.kimi.ep_experts,
-                                                          torch.ops.kimi.ep_experts.default):
-            node.target = _dense_ep_experts
-    gm.recompile()
-    return stock_inductor(gm, example_inputs)
 
 
 def _rank(rank: int, world: int, port: int, rows_list: list[int], out: str) -> None:
@@ -98,7 +87,8 @@ def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
         x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
         pad = torch.zeros(rows, dtype=torch.bool, device=device)
         kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]}), dynamic=False)
-        inductor = torch.compile(step, backend=stock_dense_ep_inductor, dynamic=False)
+        dense = stock_inductor_with({torch.ops.kimi.ep_experts.default: _dense_ep_experts})
+        inductor = torch.compile(step, backend=dense, dynamic=False)
         want, got = step(params, x, pad).float(), kimi(params, x, pad).float()
         err = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
         inductor_err = float(((inductor(params, x, pad).float() - want).norm(dim=1) / want.norm(dim=1)).max())

@@ -20,6 +20,7 @@ SUITE = {  # name: (script, arguments)
     "attn_res": ("attn_res.py", []),
     "mla_layer": ("mla_layer.py", []),
     "dsa_layer": ("mla_layer.py", ["--kind", "dsa", "--q", "1", "--context", "8192"]),
+    "dsa_layer_q4": ("mla_layer.py", ["--kind", "dsa", "--q", "4", "--rows", "8", "32", "64", "--context", "8192"]),
     "mla_kernel": ("mla_kernel.py", []),
     "gemm": ("gemm.py", ["--sweep"]),
     "gemm_fusions": ("gemm_fusions.py", []),
@@ -64,7 +65,8 @@ def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> d
 
 
 PANELS = {"kda_layer_q1": "KDA layer, q = 1", "kda_layer_q4": "KDA layer, q = 4",
-          "mla_layer": "MLA layer, q = 1, 4K context", "dsa_layer": "DSA layer, q = 1, 8K context"}
+          "mla_layer": "MLA layer, q = 1, 4K context", "dsa_layer": "DSA layer, q = 1, 8K context",
+          "dsa_layer_q4": "DSA layer, q = 4, 8K context"}
 
 
 def plot(out: Path) -> Path | None:
