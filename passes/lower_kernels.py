@@ -45,7 +45,7 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from .decoder import ATTENTION_CORES, DecoderGraph
+from .decoder import ATTENTION_CORES, ATTN_RES, DecoderGraph
 from .gemm_neighbours import rms_norm_of, situ_of
 from .graph import OpCall, refresh_meta
 from .report import PassInfo
@@ -139,7 +139,7 @@ class LowerKernels:
                 continue
             per_node[_swap(g, call, torch.ops.kimi_kernels.attn_res.default, dict(call.node.kwargs))] = "attn_res"
             info.rewritten += 1
-        g.eliminate_dead_code()  # dead casts would count as readers of a norm or a GEMM
+        _dead_code_out(g)  # dead casts would count as readers of a norm or a GEMM
         situ_after = {m[0]: (n, *m[1:]) for n in g.nodes if (m := situ_of(n)) is not None}  # GEMM -> its SiTU
         for node in list(g.nodes):
             gemm = match_gemm(node)
@@ -182,12 +182,23 @@ class LowerKernels:
                 g.erase_node(node)
                 per_node[new] = "norm_gemm" if norm else "gemm"
             info.rewritten += 1
-        g.eliminate_dead_code()
+        _dead_code_out(g)
         gm.recompile()
         refresh_meta(gm)
         info.skipped = [f"{n} x kept: {why}" for why, n in kept.items()]
         _annotate(gm, ctx, per_node)
         return info
+
+
+def _dead_code_out(g: fx.Graph) -> None:
+    """Dead pure nodes out, except decoder ops (attention cores, AttnRes): an explain graph
+    on the meta device leaves the last AttnRes unread, and the report's decoder parse must
+    still see every layer (Inductor removes what is truly dead later)."""
+    def keep(n: fx.Node) -> bool:
+        call = OpCall.of(n)
+        return n.is_impure() or (call is not None and (call.op in ATTENTION_CORES or call.op in ATTN_RES))
+
+    g.eliminate_dead_code(is_impure_node=keep)
 
 
 def _fuse_kda(g: fx.Graph, call: OpCall, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
