@@ -27,7 +27,8 @@ not cover stays as it was, and the report says why.
 Invariants. Relies on: ``meta["val"]`` of the matched nodes. Establishes: the same
 values and mutations (``auto_functionalized_v2`` around ``kimi.kda_decode`` /
 ``kimi.mla_decode`` becomes one around the ``kimi_kernels`` op with the same bases); row
-layouts unchanged.
+layouts unchanged; decoder ops (attention cores, AttnRes) survive its dead-code removal
+even when unread, so the decoder still parses after it.
 
 Order: after hybrid_attention (so that replicated and sharded rows are final).
 """
