@@ -13,8 +13,7 @@ weighted sum, fp32; sources in pairs, their four sums in one block reduction, th
 pair's loads in flight while one is reduced), so each bank row is read once and the
 prefix update, the bank write, the mix and the output norm are one launch instead of
 Inductor's chain of reductions. Stock's softmax-then-sum and the online form differ
-only in fp32 rounding
-order (outputs within one bf16 rounding).
+only in fp32 rounding order (outputs within one bf16 rounding).
 
 Byte floor of one call: R rows x (prefix read + write, delta, bank row write,
 ``num_blocks`` bank rows, output) x H x 2 bytes: 100 KB per row at 4 saved blocks.

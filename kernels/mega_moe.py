@@ -11,13 +11,13 @@ partition). Returns y [c, L] bf16: for each row the weighted sum of its k expert
 outputs, wherever they live. More than ``max_num_tokens`` rows raise ``ValueError``
 (MegaMoE's symmetric-buffer capacity).
 
-On SM100 with DeepGEMM installed the op is one ``fp8_fp4_mega_moe`` launch
-(``mega_moe_deepgemm.py``: MXFP4 experts, FP8 dispatch, stock vLLM's SM100 numerics).
-Elsewhere (Hopper, CPU), our exchange: dispatch = one all-gather of every rank's (latent, weights, ids), packed into
-one byte message; each rank runs its own experts on the G c gathered rows
-(``expert_ffn``: pairs of other ranks' experts and of padding rows are skipped);
-combine = one reduce-scatter of the fp32 partials, so each row's sum arrives on its own
-rank. At decode sizes this dense exchange moves what an all-to-all would (with top-16
+On SM100 with DeepGEMM installed (and a process group) the op is one
+``fp8_fp4_mega_moe`` launch (``mega_moe_deepgemm.py``: MXFP4 experts, FP8 dispatch,
+stock vLLM's SM100 numerics). Elsewhere (Hopper, CPU), our exchange: dispatch = one
+all-gather of every rank's (latent, weights, ids), packed into one byte message; each
+rank runs its own experts on the G c gathered rows (``expert_ffn``: pairs of other
+ranks' experts and of padding rows are skipped); combine = one reduce-scatter of the
+fp32 partials, so each row's sum arrives on its own rank. At decode sizes this dense exchange moves what an all-to-all would (with top-16
 of 896 experts over G <= 8 ranks, a token misses a given rank's experts with
 probability (1 - 1/G)^16, 12% at G = 8), has static shapes (capturable in CUDA graphs,
 no host-side split sizes) and runs on NCCL or gloo.
@@ -79,8 +79,8 @@ def mega_moe(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
     check_capacity(rows, max_num_tokens)
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
     size = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
-    if first_expert == rank * w13.shape[0] and not deepgemm.unsupported(latent.device, latent.shape[1], w2.shape[2]):
+    if (group is not None and not deepgemm.unsupported(latent.device, latent.shape[1], w2.shape[2])
+            and first_expert == dist.get_rank(group) * w13.shape[0]):  # DeepGEMM's contiguous partition
         return deepgemm.run(latent, topk_weights, topk_ids, w13, w2, group, max_num_tokens, beta, linear_beta)
     parts = [latent, topk_weights.float(), topk_ids.int()]
     if size > 1:  # dispatch: every rank receives every rank's rows

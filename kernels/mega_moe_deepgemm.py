@@ -108,9 +108,9 @@ def symm_buffer(dg: ModuleType, device: torch.device, group, experts: int, max_n
 
 def run(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, group,
         max_num_tokens: int, beta: float, linear_beta: float) -> Tensor:
-    """One ``fp8_fp4_mega_moe`` launch (``group`` None: this process alone)."""
+    """One ``fp8_fp4_mega_moe`` launch over ``group`` (this rank owns experts
+    ``[rank E, (rank + 1) E)``)."""
     dg = deep_gemm()
-    group = group if group is not None else dist.group.WORLD
     rows, top_k = topk_ids.shape
     experts, intermediate = w13.shape[0] * group.size(), w2.shape[2]
     l1, l2 = kernel_weights(dg, w13, w2)

@@ -52,9 +52,25 @@ from .graph import OpCall, refresh_meta
 from .report import PassInfo
 
 aten, prims = torch.ops.aten, torch.ops.prims
-MLA_CORES = {torch.ops.kimi.mla_decode.default: torch.ops.kimi_kernels.mla_decode.default,
-             torch.ops.kimi.mla_decode_dcp.default: torch.ops.kimi_kernels.mla_decode_dcp.default,
-             torch.ops.kimi.dsa_decode.default: torch.ops.kimi_kernels.dsa_decode.default}
+kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
+
+
+def _mla_unsupported(call: OpCall) -> str:
+    ql = call.arg("ql_nope").meta["val"]
+    return mla_kernel.supported(ql.shape[-1], call.arg("q_pe").meta["val"].shape[-1], ql.dtype)
+
+
+def _attn_res_unsupported(call: OpCall) -> str:
+    prefix = call.arg("prefix").meta["val"]
+    return attn_res_kernel.supported(prefix.shape[-1], prefix.dtype)
+
+
+# stock op -> (our op with the same arguments and mutations, its name in the report,
+# why our kernel cannot take a call ('' when it can))
+SWAPS = {kimi.mla_decode.default: (kk.mla_decode.default, "MLA core", _mla_unsupported),
+         kimi.mla_decode_dcp.default: (kk.mla_decode_dcp.default, "MLA core", _mla_unsupported),
+         kimi.dsa_decode.default: (kk.dsa_decode.default, "MLA core", _mla_unsupported),
+         kimi.attn_res.default: (kk.attn_res.default, "AttnRes", _attn_res_unsupported)}
 
 
 def _weight(node) -> fx.Node | None:
@@ -105,7 +121,7 @@ class LowerKernels:
         per_node: dict[fx.Node, str] = {}
         kept = Counter()
         # KDA first: its f_b GEMM folds into the fused kernel
-        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op is torch.ops.kimi.kda_decode.default]:
+        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op is kimi.kda_decode.default]:
             info.matched += 1
             g1 = call.arg("g1")
             gemm = match_gemm(g1) if isinstance(g1, fx.Node) else None
@@ -118,27 +134,16 @@ class LowerKernels:
                 continue
             per_node[_fuse_kda(g, call, f_a=gemm[0], f_b=gemm[1])] = "kda"
             info.rewritten += 1
-        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op in MLA_CORES]:
+        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op in SWAPS]:
             info.matched += 1
-            ql = call.arg("ql_nope").meta["val"]
-            why = mla_kernel.supported(ql.shape[-1], call.arg("q_pe").meta["val"].shape[-1], ql.dtype)
+            ours, label, unsupported = SWAPS[call.op]
+            why = unsupported(call)
             if call.node.target is not auto_functionalized_v2:
                 why = why or "not an auto_functionalized_v2 call"
             if why:
-                kept[f"MLA core: {why}"] += 1
+                kept[f"{label}: {why}"] += 1
                 continue
-            per_node[_swap(g, call, MLA_CORES[call.op], dict(call.node.kwargs))] = ATTENTION_CORES[call.op]
-            info.rewritten += 1
-        for call in [c for n in g.nodes if (c := OpCall.of(n)) is not None and c.op is torch.ops.kimi.attn_res.default]:
-            info.matched += 1
-            prefix = call.arg("prefix").meta["val"]
-            why = attn_res_kernel.supported(prefix.shape[-1], prefix.dtype)
-            if call.node.target is not auto_functionalized_v2:
-                why = why or "not an auto_functionalized_v2 call"
-            if why:
-                kept[f"AttnRes: {why}"] += 1
-                continue
-            per_node[_swap(g, call, torch.ops.kimi_kernels.attn_res.default, dict(call.node.kwargs))] = "attn_res"
+            per_node[_swap(g, call, ours, dict(call.node.kwargs))] = ATTENTION_CORES.get(call.op, "attn_res")
             info.rewritten += 1
         _dead_code_out(g)  # dead casts would count as readers of a norm or a GEMM
         situ_after = {m[0]: (n, *m[1:]) for n in g.nodes if (m := situ_of(n)) is not None}  # GEMM -> its SiTU
@@ -169,15 +174,15 @@ class LowerKernels:
             if "situ" in fusable:
                 out, beta, linear_beta = fusable["situ"]  # x W^T and its SiTU-GLU: one op in place of the SiTU
                 with g.inserting_before(out):
-                    new = g.call_function(torch.ops.kimi_kernels.mm_situ.default, (x, w, beta, linear_beta))
+                    new = g.call_function(kk.mm_situ.default, (x, w, beta, linear_beta))
                 new.meta["val"] = out.meta["val"]  # a later GEMM (the down-projection) reads it
                 out.replace_all_uses_with(new)
                 per_node[new] = "gemm_situ"
             else:
                 norm = fusable.get("rms_norm")
                 with g.inserting_before(node):
-                    new = g.call_function(torch.ops.kimi_kernels.rms_norm_mm.default, (*norm, w, acc, out_dtype)) \
-                        if norm else g.call_function(torch.ops.kimi_kernels.skinny_mm.default, (x, w, acc, out_dtype))
+                    new = g.call_function(kk.rms_norm_mm.default, (*norm, w, acc, out_dtype)) \
+                        if norm else g.call_function(kk.skinny_mm.default, (x, w, acc, out_dtype))
                 new.meta["val"] = node.meta["val"]
                 node.replace_all_uses_with(new)
                 g.erase_node(node)
@@ -205,7 +210,7 @@ def _dead_code_out(g: fx.Graph) -> None:
 def _fuse_kda(g: fx.Graph, call: OpCall, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
     kwargs = {k: v for k, v in call.node.kwargs.items() if k != "g1"}
     kwargs.update(f_a=f_a, f_b_weight=f_b)
-    return _swap(g, call, torch.ops.kimi_kernels.kda_decode.default, kwargs)
+    return _swap(g, call, kk.kda_decode.default, kwargs)
 
 
 def _swap(g: fx.Graph, call: OpCall, op, kwargs: dict) -> fx.Node:
