@@ -2,9 +2,12 @@
 x 128, the paged bf16 index cache) at q = 1: ``kimi_kernels.dsa_select`` vs stock's
 ``select_topk`` compiled by Inductor (gathered keys, fp32 einsum, stable full sort) vs
 the byte floor (the index cache rows below seq_len + the scores), in CUDA graphs; with
-the scoring kernel and the top-k timed apart.
+the scoring kernel and the selection timed apart, and the selection kernel beside the
+best torch form of the same selection (one ``torch.topk`` on int64 (score, reversed
+position) keys, the form the kernel replaced).
 
     python benchmarks/dsa_index.py --json dsa_index.json [--requests 1 8 32 64] [--context 8192 32768]
+    python benchmarks/dsa_index.py --sweep --json sweep.json   # the selection's launch configs
 """
 
 from __future__ import annotations
@@ -26,10 +29,22 @@ from kimi_inductor.stock.dsa import select_topk  # noqa: E402
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
 
 
+def topk_keys_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The selection as one ``torch.topk`` on int64 keys (the score's order-preserving bits
+    above the reversed position: the largest keys are the best scores, earliest first)."""
+    W = scores.shape[-1]
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 and 0.0 are one score
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    keys = (ordered << 32) | (W - 1 - torch.arange(W, device=scores.device))
+    best = torch.topk(keys, min(topk, W), dim=-1, sorted=False).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True) & (scores > float("-inf"))
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--context", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--sweep", action="store_true", help="time the selection's two forms only (radix, registers per warps)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -44,6 +59,15 @@ def main(argv=None) -> Results:
         index_q = torch.randn(R, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
         index_w = torch.randn(R, HEADS, device="cuda", generator=gen)
         call = (index_q, index_w, cache, table, lens, TOPK)
+        if args.sweep:
+            sc = dsa_index.scores(*call[:5])
+            row = dict(requests=R, context=context, radix_us=graph_time_us(
+                lambda i: dsa_index.radix_select(sc, lens, TOPK), 5, 5))
+            if context <= dsa_index.SELECT_MAX:
+                row.update({f"registers_w{w}_us": graph_time_us(lambda i: dsa_index.select(sc, lens, TOPK, w), 5, 5)
+                            for w in (8, 16, 32)})
+            res.add(**row)
+            continue
         same = bool(torch.equal(torch.ops.kimi_kernels.dsa_select(*call), stock(*call)))
         fl = floor_us(R * context * (DIM * 2 + 4))
         row = dict(requests=R, context=context, floor_us=fl, same_selection=same)
@@ -51,7 +75,9 @@ def main(argv=None) -> Results:
         row["ours_us"] = graph_time_us(lambda i: torch.ops.kimi_kernels.dsa_select(*call), calls=5, replays=5)
         sc = dsa_index.scores(*call[:5])
         row["scores_only_us"] = graph_time_us(lambda i: dsa_index.scores(*call[:5]), calls=5, replays=5)
-        row["topk_us"] = graph_time_us(lambda i: dsa_index.topk_mask(sc, TOPK), calls=5, replays=5)
+        row["select_us"] = graph_time_us(lambda i: dsa_index.select(sc, lens, TOPK), calls=5, replays=5)
+        row["torch_topk_us"] = graph_time_us(lambda i: topk_keys_mask(sc, TOPK), calls=5, replays=5)
+        row["select_same"] = bool(torch.equal(dsa_index.select(sc, lens, TOPK), topk_keys_mask(sc, TOPK)))
         row.update(speedup=row["inductor_us"] / row["ours_us"], ours_x_floor=row["ours_us"] / fl)
         res.add(**row)
         del cache

@@ -34,9 +34,10 @@ the fp32 partial output with its log-sum-exp for the cross-rank merge.
 
 ``kimi_kernels::dsa_decode`` (stock ``kimi::dsa_decode``, DSA without DCP): the cache
 writes, the indexer's scores and top-k (``kimi_kernels.dsa_select``, ``dsa_index.py``),
-and the attention is this kernel with the ``selected`` mask. It still streams every
-position below seq_len and masks the unselected ones: at long context a gather over the
-top-k indices (2048 positions, whatever the context) is what reads fewer bytes.
+and the attention is this kernel over a list of positions: the union of the request's
+query rows' selections (``dsa_index.positions``, at most q x topk), each row masked to its
+own. A program reads only listed latent rows (through the block table), so the core
+reads the top-k rows, whatever the context; splits divide the list, not the context.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.mla import write_cache
 
 from .common import INTERPRET, SMS, bf16_round, tl, triton
-from .dsa_index import dsa_select
+from . import dsa_index
 
 NAMESPACE = "kimi_kernels"
 BS = 32  # the default positions per step (``tiles``)
@@ -74,11 +75,11 @@ if triton is not None:
 
     @triton.jit
     def _mla_split_kernel(qn_ptr, stride_qn_t, stride_qn_h, qp_ptr, stride_qp_t, stride_qp_h, cache_ptr,
-                          table_ptr, stride_table, seq_ptr, sel_ptr, stride_sel, acc_ptr, ml_ptr, N, Q, R_DIM,
-                          chunk, scale, dcp_rank, dcp_size,
+                          table_ptr, stride_table, seq_ptr, sel_ptr, stride_sel, list_ptr, stride_list, count_ptr,
+                          acc_ptr, ml_ptr, N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
                           L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                          BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, DOT_F32: tl.constexpr,
-                          ROUND: tl.constexpr):
+                          BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, HAS_LIST: tl.constexpr,
+                          DOT_F32: tl.constexpr, ROUND: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # (token j, head n) pairs of request r
         split = tl.program_id(2)
@@ -97,6 +98,8 @@ if triton is not None:
         seq = tl.load(seq_ptr + r)
         last = seq - Q + rows // N  # the last (global) position each row sees
         local_len = tl.maximum(seq - dcp_rank + dcp_size - 1, 0) // dcp_size  # this rank's positions < seq
+        if HAS_LIST:  # the split's share of the request's listed positions
+            local_len = tl.load(count_ptr + r)
         start = split * chunk
         end = tl.minimum(start + chunk, local_len)
         m = tl.full([BM], float("-inf"), tl.float32)
@@ -105,6 +108,8 @@ if triton is not None:
         for p0 in range(start, end, BS):
             pos = p0 + tl.arange(0, BS)
             pmask = pos < end
+            if HAS_LIST:
+                pos = tl.load(list_ptr + r * stride_list + pos, mask=pmask, other=0)
             block = tl.load(table_ptr + r * stride_table + pos // BLOCK, mask=pmask, other=0)
             phys = (block.to(tl.int64) * BLOCK + pos % BLOCK) * ROW
             kv = tl.load(cache_ptr + phys[:, None] + dl[None, :], mask=pmask[:, None], other=0.0)  # [BS, L]
@@ -200,10 +205,13 @@ def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
 
 def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
-           bm: int | None = None, bs: int | None = None, most_splits: int | None = None, num_stages: int = 2):
+           listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
+           most_splits: int | None = None, num_stages: int = 2):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
-    Tile arguments are for the benchmark's sweep (``benchmarks/mla_kernel.py``)."""
+    ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
+    request are read. Tile arguments are for the benchmark's sweep
+    (``benchmarks/mla_kernel.py``)."""
     T, N, L = ql_nope.shape
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
     Q = T // R
@@ -212,7 +220,7 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     bs = bs or (min(32, tiles(bm)[0]) if ql_nope.dtype == torch.float32 else tiles(bm)[0])
     most_splits = most_splits or tiles(bm)[1]
     groups = triton.cdiv(Q * N, bm)
-    capacity = block_table.shape[1] * block
+    capacity = listed[0].shape[1] if listed is not None else block_table.shape[1] * block
     n_split = splits(R, groups, capacity, bs, most_splits)
     chunk = triton.cdiv(triton.cdiv(capacity, n_split), bs) * bs
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
@@ -220,14 +228,15 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)
     lse = torch.empty(T, N, dtype=torch.float32, device=ql_nope.device) if with_lse else out
     sel = selected.view(torch.uint8) if selected is not None else seq_lens
+    plist, counts = listed if listed is not None else (block_table, seq_lens)
     R_DIM = q_pe.shape[-1]
     assert ql_nope.stride(2) == 1 and q_pe.stride(2) == 1 and kv_cache.is_contiguous()
     _mla_split_kernel[(R, groups, n_split)](
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache,
-        block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0, acc, ml,
-        N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
+        block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0,
+        plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
         L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
-        HAS_SEL=selected is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
+        HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
         ROUND=ql_nope.dtype == torch.bfloat16, num_warps=max(4, bm // 4), num_stages=num_stages)
     _combine_kernel[(T * N,)](acc, ml, out, lse, T * N, n_split, L=L, WITH_LSE=with_lse)
     return (out, lse) if with_lse else out
@@ -271,15 +280,17 @@ def dsa_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, index_
                index_w: Tensor, kv_cache: Tensor, index_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
                seq_lens: Tensor, topk: int, scale: float) -> Tensor:
     """DSA's core (stock ``kimi::dsa_decode``): both cache writes, the indexer's top-k
-    (``dsa_select``), then this kernel over the selected positions."""
+    (``dsa_select``), then this kernel over the listed positions the request's queries
+    selected (each query row masked to its own selection)."""
     args = (ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, index_cache, slot_mapping,
             block_table, seq_lens, topk, scale)
     if not _use_triton(ql_nope, q_pe):
         return REFERENCES[torch.ops.kimi.dsa_decode.default](*args)
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
     write_cache(index_cache, slot_mapping, index_k)
-    selected = dsa_select(index_q, index_w, index_cache, block_table, seq_lens, topk)
-    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected.flatten(0, 1))
+    selected = dsa_index.dsa_select(index_q, index_w, index_cache, block_table, seq_lens, topk)
+    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected.flatten(0, 1),
+                  listed=dsa_index.positions(selected, topk))
 
 
 dsa_decode.register_fake(_dsa_fake)

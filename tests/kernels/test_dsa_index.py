@@ -51,7 +51,36 @@ def test_selection_matches_stock(heads, dim, block, nblocks, topk, q):
         assert torch.allclose(ours[fin], stock[fin], rtol=1e-4, atol=1e-4)
 
 
-def test_topk_keys_break_ties_like_a_stable_sort():
-    scores = torch.tensor([[0.0, -0.0, 1.0, 1.0, float("-inf"), 0.5, -0.0, 1.0, -2.0, -2.0]])
+def test_select_breaks_ties_like_a_stable_sort():
+    scores = torch.tensor([[[0.0, -0.0, 1.0, 1.0, float("-inf"), 0.5, -0.0, 1.0, -2.0, -2.0]]], device=DEVICE)
+    lens = torch.tensor([10], dtype=torch.int32, device=DEVICE)
     for k in range(1, 11):
-        assert torch.equal(dsa_index.topk_mask(scores, k), dsa.topk_mask(scores, k)), k
+        assert torch.equal(dsa_index.select(scores, lens, k).cpu(), dsa.topk_mask(scores.cpu(), k)), k
+
+
+@pytest.mark.parametrize("form", ["select", "radix_select"])
+@pytest.mark.parametrize("width, topk", [(5000, 2048), (9000, 300), (700, 2048), (dsa_index.SELECT_MAX + 5, 3000)])
+def test_select_matches_a_stable_sort(width, topk, form):
+    """Rows of mixed magnitudes and signs, many exact ties (values on a coarse grid),
+    causal -inf tails (q = 3) and a padding request; ``select`` holds rows up to
+    SELECT_MAX in registers and sends wider ones to ``radix_select`` (chunks of
+    RADIX_CHUNK), which takes every width."""
+    g = torch.Generator().manual_seed(width)
+    R, Q = 3, 3
+    scores = (torch.randn(R, Q, width, generator=g) * 8).round() / 4 * 10.0 ** torch.randint(-3, 3, (R, Q, 1), generator=g)
+    lens = torch.tensor([width, width // 2 + 1, 0], dtype=torch.int32)
+    visible = causal_mask(lens, Q, width)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    got = getattr(dsa_index, form)(scores.to(DEVICE), lens.to(DEVICE), topk).cpu()
+    assert torch.equal(got, dsa.topk_mask(scores, topk))
+
+
+def test_positions_list_the_union_of_a_requests_selections():
+    g = torch.Generator().manual_seed(3)
+    selected = torch.rand(3, 4, 5000, generator=g) < torch.tensor([0.001, 0.05, 0.0]).view(3, 1, 1)
+    pos, counts = dsa_index.positions(selected.to(DEVICE), topk=300)
+    pos, counts = pos.cpu(), counts.cpu()
+    assert pos.shape == (3, 1200)
+    for r in range(3):
+        want = selected[r].any(0).nonzero().flatten().int()
+        assert counts[r] == len(want) and torch.equal(pos[r, :len(want)], want)
