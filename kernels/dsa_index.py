@@ -28,7 +28,7 @@ Rows with at most k visible positions take them all. Two forms, by the static wi
   so far from the merged histograms; the last pass also keeps per-chunk counts, from
   which each chunk knows how many keys equal to T precede it.
 
-On the H200 (benchmarks/dsa_index.py) the register form takes 19 us at 8K and 32 at 16K,
+On the H200 (benchmarks/dsa_index.py) the register form takes 19-20 us at 8K and 32 at 16K,
 the radix form 38-40 us from 16K to 128K scores at 1-8 rows: 1.5-3.1x faster than one
 ``torch.topk`` on int64 (score, position) keys.
 
