@@ -7,7 +7,7 @@ best torch form of the same selection (one ``torch.topk`` on int64 (score, rever
 position) keys, the form the kernel replaced).
 
     python benchmarks/dsa_index.py --json dsa_index.json [--requests 1 8 32 64] [--context 8192 32768]
-    python benchmarks/dsa_index.py --sweep --json sweep.json   # the selection's launch configs
+    python benchmarks/dsa_index.py --sweep --json sweep.json   # the two selection forms side by side
 """
 
 from __future__ import annotations
