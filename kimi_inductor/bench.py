@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 SUITE = {  # name: (script, arguments)
-    "kda_layer_q1": ("kda_layer.py", ["--rows", "1", "8", "32", "64", "--q", "1"]),
+    "kda_layer_q1": ("kda_layer.py", ["--rows", "1", "2", "8", "32", "64", "--q", "1"]),
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),
     "attn_res": ("attn_res.py", []),
@@ -25,6 +25,9 @@ SUITE = {  # name: (script, arguments)
     "gemm": ("gemm.py", ["--sweep"]),
     "gemm_fusions": ("gemm_fusions.py", []),
     "dsa_index": ("dsa_index.py", []),
+    "dsa_index_128k": ("dsa_index.py", ["--context", "131072", "--requests", "1", "8"]),
+    "dsa_select_sweep": ("dsa_index.py", ["--sweep", "--requests", "1", "8", "64", "--context", "8192", "16384",
+                                          "32768", "131072"]),
     "moe_experts": ("moe_experts.py", []),
     "moe_layer": ("moe_layer.py", []),
     "mega_moe_ep2": ("mega_moe.py", ["--gpus", "2"]),  # only with two GPUs visible
