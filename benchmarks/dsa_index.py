@@ -44,7 +44,8 @@ def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--context", type=int, nargs="+", default=[8192, 32768])
-    p.add_argument("--sweep", action="store_true", help="time the selection's two forms only (radix, registers per warps)")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the selection's two forms only (radix, registers per warps)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -17,9 +17,9 @@ up-projection, shared experts, inside CUDA graphs:
 from __future__ import annotations
 
 import argparse
-from typing import Callable
 import os
 import sys
+from typing import Callable
 
 import torch
 from torch.func import functional_call

@@ -34,7 +34,6 @@ from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
 from moe_experts import eager_time_us  # noqa: E402
 from moe_layer import random_params, stock_inductor_with, weight_bytes  # noqa: E402
 
-
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
 from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402

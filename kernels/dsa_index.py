@@ -29,7 +29,7 @@ Rows with at most k visible positions take them all. Two forms, by the static wi
   which each chunk knows how many keys equal to T precede it.
 
 On the H200 (benchmarks/dsa_index.py) the register form takes 19-20 us at 8K and 32 at 16K,
-the radix form 38-40 us from 16K to 128K scores at 1-8 rows: 1.5-3.1x faster than one
+the radix form 38-42 us from 16K to 128K scores at 1-32 rows: 1.5-3.1x faster than one
 ``torch.topk`` on int64 (score, position) keys.
 
 Byte floor: the index cache rows below seq_len (d x 2 bytes each) plus the scores.
@@ -98,7 +98,6 @@ if triton is not None:
         tl.store(out_ptr + ((r * Q + j) * W)[:, None] + pos[None, :], scores,
                  mask=(j < Q)[:, None] & (pos < W)[None, :])
 
-
     @triton.jit
     def _key(score):
         """fp32 -> uint32 in the same order (-0.0 and 0.0 one key; every key of a non-NaN
@@ -143,7 +142,6 @@ if triton is not None:
                 thresh |= digit << shift
             want = K - tl.sum((key > thresh).to(tl.int32), 0)
         _write_mask(out_ptr + row.to(tl.int64) * W, offs, W, live, score, key, thresh, want, 0)
-
 
     @triton.jit
     def _radix_state(merged_ptr, row, K, PASSES: tl.constexpr):
@@ -218,6 +216,7 @@ if triton is not None:
             before += tl.sum(chosen, 0)
         tl.store(count_ptr + r, tl.minimum(before, CAP))
 
+
 def scores(index_q: Tensor, index_w: Tensor, index_cache: Tensor, block_table: Tensor, seq_lens: Tensor) -> Tensor:
     """The indexer's scores [R, q, W] fp32 (-inf where not visible)."""
     T, N, D = index_q.shape
@@ -289,7 +288,8 @@ def dsa_select(index_q: Tensor, index_w: Tensor, index_cache: Tensor, block_tabl
     T, N, D = index_q.shape
     if not (index_q.is_cuda or INTERPRET) or supported(T // R, N, D):
         return select_topk(index_q, index_w, index_cache, block_table, seq_lens, topk)
-    return select(scores(index_q.contiguous(), index_w.contiguous(), index_cache, block_table, seq_lens), seq_lens, topk)
+    scored = scores(index_q.contiguous(), index_w.contiguous(), index_cache, block_table, seq_lens)
+    return select(scored, seq_lens, topk)
 
 
 dsa_select.register_fake(_fake)

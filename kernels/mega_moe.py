@@ -17,10 +17,11 @@ stock vLLM's SM100 numerics). Elsewhere (Hopper, CPU), our exchange: dispatch = 
 all-gather of every rank's (latent, weights, ids), packed into one byte message; each
 rank runs its own experts on the G c gathered rows (``expert_ffn``: pairs of other
 ranks' experts and of padding rows are skipped); combine = one reduce-scatter of the
-fp32 partials, so each row's sum arrives on its own rank. At decode sizes this dense exchange moves what an all-to-all would (with top-16
-of 896 experts over G <= 8 ranks, a token misses a given rank's experts with
-probability (1 - 1/G)^16, 12% at G = 8), has static shapes (capturable in CUDA graphs,
-no host-side split sizes) and runs on NCCL or gloo.
+fp32 partials, so each row's sum arrives on its own rank. At decode sizes this dense
+exchange moves what an all-to-all would (with top-16 of 896 experts over G <= 8 ranks,
+a token misses a given rank's experts with probability (1 - 1/G)^16, 12% at G = 8), has
+static shapes (capturable in CUDA graphs, no host-side split sizes) and runs on NCCL or
+gloo.
 """
 
 from __future__ import annotations

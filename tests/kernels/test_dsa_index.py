@@ -67,7 +67,8 @@ def test_select_matches_a_stable_sort(width, topk, form):
     RADIX_CHUNK), which takes every width."""
     g = torch.Generator().manual_seed(width)
     R, Q = 3, 3
-    scores = (torch.randn(R, Q, width, generator=g) * 8).round() / 4 * 10.0 ** torch.randint(-3, 3, (R, Q, 1), generator=g)
+    scale = 10.0 ** torch.randint(-3, 3, (R, Q, 1), generator=g)  # mixed magnitudes per row
+    scores = (torch.randn(R, Q, width, generator=g) * 8).round() / 4 * scale
     lens = torch.tensor([width, width // 2 + 1, 0], dtype=torch.int32)
     visible = causal_mask(lens, Q, width)
     scores = scores.masked_fill(~visible, float("-inf"))
