@@ -1,5 +1,9 @@
 """What our Triton kernels share: whether Triton is here, whether it interprets (CPU,
-``TRITON_INTERPRET=1``), and stock's bf16 rounding done exactly."""
+``TRITON_INTERPRET=1``), and stock's bf16 rounding done exactly.
+
+Triton is optional (a dependency only where its wheels exist: Linux x86_64). Without
+it every name below still imports (``triton``, ``tl`` and ``bf16_round`` are None)
+and each op dispatches to its CPU reference."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ try:
 except ImportError:  # CPU machines without Triton use the references
     triton, tl, INTERPRET = None, None, False
 
+bf16_round = None
 if triton is not None:
 
     @triton.jit
