@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-PASS_ORDER = ("hybrid_attention", "mega_moe", "lower_kernels")
+from .passes.pipeline import PASS_ORDER  # the pass registry
 COMPILERS = ("inductor", "eager")
 
 

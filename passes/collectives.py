@@ -1,14 +1,17 @@
 """Collectives of the decoder graph: the patterns the passes match and the ops they emit.
 
-Two spellings reach us: functional collectives (``_c10d_functional.*`` followed by
-``wait_tensor``; our stock decoder, torch.distributed code) and vLLM's collective
-ops (``torch.ops.vllm.all_gather / reduce_scatter / all_reduce``; vLLM models).
-The patterns below are Inductor pattern-matcher patterns; group names are
-wildcards, so the same patterns match any process group.
+One role in several spellings: each spelling of ``roles.SPELLINGS`` declares how it
+writes all-gather, reduce-scatter and all-reduce over the TP group (our replica:
+``_c10d_functional.*`` + ``wait_tensor``; vLLM: ``vllm::all_gather`` ...). The shapes
+the decoder uses are built here around them, as Inductor pattern-matcher patterns with
+wildcard group names:
 
-SP gather   ``all_gather(x)[:rows]``      (rows = the step's T; drops SP pad rows)
+SP gather   ``all_gather(x)[:rows]``      (rows = the step's T; drops SP pad rows;
+                                           the slice is absent when T divides by G)
 SP scatter  ``reduce_scatter(pad(y))``    (pad rows to a multiple of G; may be absent)
 all-reduce  ``all_reduce(y)``
+
+A rewrite emits a collective in the spelling of the one it replaces.
 """
 
 from __future__ import annotations
@@ -20,50 +23,35 @@ import torch
 from torch import fx
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match
 
+from .roles import SPELLINGS, collective_spelling
+
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 
-def _wait(inner):
-    return CallFunction(c10d.wait_tensor.default, inner)
-
-
-def _vllm(name: str):
-    """vLLM's collective op, when vLLM (or a look-alike) registered it."""
-    ns = getattr(torch.ops, "vllm", None)
-    packet = getattr(ns, name, None) if ns is not None else None
-    return None if packet is None else packet.default
+def _spelled():
+    return [(s.name, s.collectives) for s in SPELLINGS if s.collectives is not None]
 
 
 def _gather_patterns():
-    """With and without the ``[:rows]`` slice (Inductor drops it when T divides by G)."""
-    gathers = [("c10d", _wait(CallFunction(c10d.all_gather_into_tensor.default, KeywordArg("x"),
-                                           KeywordArg("group_size"), KeywordArg("group_name"))))]
-    op = _vllm("all_gather")
-    if op is not None:
-        gathers.append(("vllm", CallFunction(op, KeywordArg("x"), 0, KeywordArg("group_size"),
-                                             KeywordArg("group_name"))))
-    for spelling, gather in gathers:
-        yield spelling, CallFunction(aten.slice.Tensor, gather, 0, 0, KeywordArg("rows"))
-        yield spelling, gather
+    for name, c in _spelled():
+        for gather in c.gathers():
+            yield name, CallFunction(aten.slice.Tensor, gather, 0, 0, KeywordArg("rows"))
+            yield name, gather
 
 
 def _scatter_patterns():
     for padded in (True, False):
         y = CallFunction(aten.constant_pad_nd.default, KeywordArg("y"), KeywordArg("pad"), 0.0) if padded \
             else KeywordArg("y")
-        yield "c10d", _wait(CallFunction(c10d.reduce_scatter_tensor.default, y, "sum", KeywordArg("group_size"),
-                                         KeywordArg("group_name")))
-        op = _vllm("reduce_scatter")
-        if op is not None:
-            yield "vllm", CallFunction(op, y, 0, KeywordArg("group_size"), KeywordArg("group_name"))
+        for name, c in _spelled():
+            for scatter in c.scatters(y):
+                yield name, scatter
 
 
 def _all_reduce_patterns():
-    yield "c10d", _wait(CallFunction(c10d.all_reduce.default, KeywordArg("y"), "sum", KeywordArg("group_name")))
-    op = _vllm("all_reduce")
-    if op is not None:
-        yield "vllm", CallFunction(op, KeywordArg("y"), KeywordArg("group_name"))
+    for name, c in _spelled():
+        for reduce in c.all_reduces():
+            yield name, reduce
 
 
 @dataclass
@@ -71,7 +59,7 @@ class Collective:
     """A matched collective: ``out`` is the node its consumers read."""
 
     kind: str  # "sp_gather" | "sp_scatter" | "all_reduce"
-    spelling: str  # "c10d" | "vllm"
+    spelling: str  # the name of the spelling it is written in
     out: fx.Node
     nodes: list[fx.Node]
     bindings: dict[str, Any]
@@ -96,6 +84,8 @@ def _chain_nodes(out: fx.Node, bound) -> list[fx.Node]:
 
 
 def _match(kind: str, patterns, node: fx.Node) -> Collective | None:
+    if node.op != "call_function":
+        return None
     for spelling, pattern in patterns:
         m = pattern.match(node)
         if isinstance(m, Match):
@@ -119,20 +109,9 @@ def all_reduce(node: fx.Node) -> Collective | None:
     return _match("all_reduce", _all_reduce_patterns(), node)
 
 
-COLLECTIVE_OPS = {
-    c10d.all_reduce.default: "all_reduce",
-    c10d.all_gather_into_tensor.default: "all_gather",
-    c10d.reduce_scatter_tensor.default: "reduce_scatter",
-}
-
-
 def count(graph: fx.Graph) -> dict[str, int]:
-    """Collectives in ``graph`` by kind (both spellings)."""
-    ops = dict(COLLECTIVE_OPS)
-    for name in ("all_reduce", "all_gather", "reduce_scatter"):
-        op = _vllm(name)
-        if op is not None:
-            ops[op] = name
+    """Collectives in ``graph`` by kind (every spelling)."""
+    ops = {op: kind for _, c in _spelled() for op, kind in c.ops().items()}
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     for node in graph.nodes:
         if node.op == "call_function" and node.target in ops:
@@ -140,32 +119,13 @@ def count(graph: fx.Graph) -> dict[str, int]:
     return out
 
 
-def _chain(graph: fx.Graph, after: fx.Node, calls: list) -> fx.Node:
-    """Insert ``calls`` [(target, args_fn)] one after another after ``after``."""
-    node = after
-    prev = None
-    for target, make_args in calls:
-        with graph.inserting_after(node):
-            node = graph.call_function(target, make_args(prev))
-        prev = node
-    return node
-
-
 def emit_all_reduce(graph: fx.Graph, after: fx.Node, y: fx.Node, like: Collective) -> fx.Node:
     """``all_reduce(y)`` in the spelling of ``like``, inserted after ``after``."""
-    if like.spelling == "vllm":
-        return _chain(graph, after, [(_vllm("all_reduce"), lambda _: (y, like.group_name))])
-    return _chain(graph, after, [(c10d.all_reduce.default, lambda _: (y, "sum", like.group_name)),
-                                 (c10d.wait_tensor.default, lambda ar: (ar,))])
+    return collective_spelling(like.spelling).emit_all_reduce(graph, after, y, like)
 
 
 def emit_sp_gather(graph: fx.Graph, after: fx.Node, x: fx.Node, rows: Any, like: Collective) -> fx.Node:
     """``all_gather(x)[:rows]`` in the spelling of ``like``, inserted after ``after``."""
-    size = like.bindings["group_size"]
-    if like.spelling == "vllm":
-        steps = [(_vllm("all_gather"), lambda _: (x, 0, size, like.group_name))]
-    else:
-        steps = [(c10d.all_gather_into_tensor.default, lambda _: (x, size, like.group_name)),
-                 (c10d.wait_tensor.default, lambda ag: (ag,))]
-    steps.append((aten.slice.Tensor, lambda gathered: (gathered, 0, 0, rows)))
-    return _chain(graph, after, steps)
+    gathered = collective_spelling(like.spelling).emit_all_gather(graph, after, x, like)
+    with graph.inserting_after(gathered):
+        return graph.call_function(aten.slice.Tensor, (gathered, 0, 0, rows))

@@ -1,8 +1,9 @@
 """Structural match of the whole Kimi K3 decoder in a post-grad graph.
 
-Anchors are ops, never node names: the attention core ops (one per layer, in graph
-order), the AttnRes op (2 L + 1 calls: pre- and post-attention per layer, then the
-final mix) and the collectives of ``collectives.py``. For layer i:
+Anchors are roles (``roles.py``), never node names or one spelling's ops: the
+attention cores (one per layer, in graph order), AttnRes (2 L + 1 calls: pre- and
+post-attention per layer, then the final mix), routed experts and the collectives of
+``collectives.py``. For layer i:
 
   pre  = AttnRes[2i]      its output feeds the attention (via an SP gather in SP)
   core = attention core   kda / mla / dsa
@@ -14,7 +15,9 @@ final mix) and the collectives of ``collectives.py``. For layer i:
 The graph's entry shard (``pad`` + rank slice of the embedding, seen as the first
 AttnRes' prefix), the residual bank allocation and the exit gather complete it.
 ``DecoderGraph.parse`` never mutates the graph; ``problems`` says why a graph is
-not a decoder the passes understand.
+not a decoder the passes understand. The pass manager parses once per compile; a pass
+that replaces a decoder call or collective updates the ``DecoderGraph`` it was given
+(``replaced``, or the fields it rewrote).
 """
 
 from __future__ import annotations
@@ -25,25 +28,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import collectives
+from . import collectives, roles
 from .collectives import Collective
-from .graph import OpCall, ancestors, calls
+from .graph import ancestors
+from .roles import AttnRes, Core, Experts
 
-import kimi_inductor.kernels  # noqa: F401  (registers kimi_kernels::*)
-
-kimi = torch.ops.kimi
 aten = torch.ops.aten
-
-ATTENTION_CORES = {kimi.kda_decode.default: "kda", kimi.mla_decode.default: "mla",
-                   kimi.dsa_decode.default: "dsa", torch.ops.kimi_kernels.dsa_decode.default: "dsa",
-                   torch.ops.kimi_kernels.kda_decode.default: "kda",
-                   torch.ops.kimi_kernels.mla_decode.default: "mla",
-                   kimi.mla_decode_dcp.default: "mla", torch.ops.kimi_kernels.mla_decode_dcp.default: "mla"}
-ATTN_RES = [kimi.attn_res.default, torch.ops.kimi_kernels.attn_res.default]  # stock, lowered
-DCP_CORES = {kimi.mla_decode_dcp.default, torch.ops.kimi_kernels.mla_decode_dcp.default}  # "dsa" with a selection
-ROUTED_EXPERTS = {kimi.fused_experts.default, kimi.ep_experts.default,
-                  torch.ops.kimi_kernels.mega_moe.default, torch.ops.kimi_kernels.expert_ffn.default}
-ALLOCATIONS = {aten.empty.memory_format, aten.new_empty.default, aten.full.default, aten.zeros.default}
 
 
 @dataclass
@@ -60,19 +50,25 @@ class Entry:
 @dataclass
 class Layer:
     index: int
-    kind: str
-    core: OpCall
-    pre: OpCall
-    post: OpCall
-    next_res: OpCall
+    core: Core
+    pre: AttnRes
+    post: AttnRes
+    next_res: AttnRes
     attn_out: fx.Node
     mlp_in: fx.Node
     mlp_out: fx.Node
-    mlp_nodes: set[fx.Node]
-    moe: OpCall | None
+    moe: Experts | None
     gather: Collective | None = None
     scatter: Collective | None = None
     reduce: Collective | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.core.kind
+
+    @property
+    def spelling(self) -> str:
+        return self.core.spelling
 
     @property
     def mlp(self) -> str:
@@ -81,17 +77,22 @@ class Layer:
     @property
     def dcp(self) -> int:
         """Decode context parallel size of the attention (1 without DCP)."""
-        return self.core.arg("dcp_size") if self.core.op in DCP_CORES else 1
+        return self.core.dcp
+
+    @property
+    def mlp_nodes(self) -> set[fx.Node]:
+        return _between(self.mlp_in, self.mlp_out)
 
 
 @dataclass
 class DecoderGraph:
     layers: list[Layer] = field(default_factory=list)
-    final: OpCall | None = None
+    final: AttnRes | None = None
     exit_gather: Collective | None = None
     entry: Entry | None = None
     bank: fx.Node | None = None
     problems: list[str] = field(default_factory=list)
+    hybrid: bool = False  # set by hybrid_attention
 
     @property
     def is_decoder(self) -> bool:
@@ -99,9 +100,12 @@ class DecoderGraph:
 
     @property
     def layout(self) -> str:
-        """``sp``, ``tp``, ``single`` (no TP collectives) or ``mixed``."""
+        """``sp``, ``tp``, ``single`` (no TP collectives), ``hybrid`` (after
+        hybrid_attention) or ``mixed``."""
         if not self.layers:
             return "none"
+        if self.hybrid:
+            return "hybrid"
         sp = [l.gather is not None and l.scatter is not None for l in self.layers]
         if all(sp) and self.entry is not None and self.exit_gather is not None:
             return "sp"
@@ -111,17 +115,21 @@ class DecoderGraph:
 
     @property
     def rows(self) -> Any:
+        """T as the SP gathers slice it (None without SP gathers)."""
         return self.layers[0].gather.bindings["rows"] if self.layers and self.layers[0].gather else None
 
     @property
+    def tokens(self) -> Any:
+        """T, the step's batch rows: the SP gathers' rows, else the AttnRes rows."""
+        if self.rows is not None or not self.layers:
+            return self.rows
+        val = self.layers[0].pre.output.meta.get("val") if self.layers[0].pre.output is not None else None
+        return None if val is None else val.shape[0]
+
+    @property
     def q(self) -> int | None:
-        """Tokens per request, from the KDA state slots [R, q] (None without KDA layers)."""
-        for l in self.layers:
-            if l.kind == "kda":
-                slots = l.core.arg("state_slots")
-                val = slots.meta.get("val") if isinstance(slots, fx.Node) else None
-                return None if val is None else val.shape[1]
-        return None
+        """Tokens per request where a core shows it (KDA state slots [R, q])."""
+        return next((l.core.q for l in self.layers if l.core.q is not None), None)
 
     @property
     def group_size(self) -> int | None:
@@ -131,13 +139,31 @@ class DecoderGraph:
                     return c.bindings["group_size"]
         return None
 
+    def replaced(self, old: fx.Node, new: fx.Node) -> None:
+        """A pass put ``new`` in place of the decoder call ``old`` (same role)."""
+        for l in self.layers:
+            if l.core.node is old:
+                l.core = roles.core(new)
+            for name in ("pre", "post", "next_res"):
+                if getattr(l, name).node is old:
+                    setattr(l, name, roles.attn_res(new))
+            if l.moe is not None and l.moe.node is old:
+                l.moe = roles.experts(new)
+        if self.final is not None and self.final.node is old:
+            self.final = roles.attn_res(new)
+
     @classmethod
     def parse(cls, graph: fx.Graph) -> "DecoderGraph":
         out = cls()
-        cores = calls(graph, ATTENTION_CORES)
-        res = calls(graph, ATTN_RES)
+        cores, res = [], []
+        for node in graph.nodes:
+            if (c := roles.core(node)) is not None:
+                cores.append(c)
+            elif (r := roles.attn_res(node)) is not None:
+                res.append(r)
         if not cores or not res:
-            out.problems.append("not a Kimi K3 decoder graph: no kimi::attn_res / attention core ops")
+            out.problems.append("not a Kimi K3 decoder graph: no AttnRes / attention core calls in any "
+                                f"known spelling ({', '.join(s.name for s in roles.SPELLINGS)})")
             return out
         L = len(cores)
         if len(res) != 2 * L + 1:
@@ -159,25 +185,20 @@ class DecoderGraph:
                 continue
             delta = post.arg("delta")
             attn_out = delta if delta is not None else post.arg("prefix")
-            mlp_in, mlp_out = post.output(0), nxt.arg("delta")
+            mlp_in, mlp_out = post.output, nxt.arg("delta")
             if mlp_in is None or mlp_out is None:
                 out.problems.append(f"layer {i}: its MLP output does not enter the next AttnRes as delta")
                 continue
-            region = _between(mlp_in, mlp_out)
-            moe = next((c for n in region if (c := OpCall.of(n)) is not None and c.op in ROUTED_EXPERTS), None)
-            pre_out = pre.output(0)
-            kind = ATTENTION_CORES[core.op]
-            if core.op in DCP_CORES and core.arg("selected") is not None:
-                kind = "dsa"
+            moe = next((e for n in _between(mlp_in, mlp_out) if (e := roles.experts(n)) is not None), None)
             out.layers.append(Layer(
-                index=i, kind=kind, core=core, pre=pre, post=post, next_res=nxt,
-                attn_out=attn_out, mlp_in=mlp_in, mlp_out=mlp_out, mlp_nodes=region, moe=moe,
-                gather=gathers.get(pre_out), scatter=scatters.get(attn_out), reduce=reduces.get(attn_out)))
+                index=i, core=core, pre=pre, post=post, next_res=nxt, attn_out=attn_out,
+                mlp_in=mlp_in, mlp_out=mlp_out, moe=moe, gather=gathers.get(pre.output),
+                scatter=scatters.get(attn_out), reduce=reduces.get(attn_out)))
         out.final = res[-1]
-        out.exit_gather = gathers.get(out.final.output(0))
+        out.exit_gather = gathers.get(out.final.output)
         out.entry = _entry(res[0])
         bank = res[0].arg("bank")
-        if isinstance(bank, fx.Node) and bank.target in ALLOCATIONS:
+        if isinstance(bank, fx.Node) and bank.target in roles.ALLOCATIONS:
             out.bank = bank
         return out
 
@@ -193,7 +214,7 @@ def _between(src: fx.Node, dst: fx.Node) -> set[fx.Node]:
     return (ancestors(dst) | {dst}) & down
 
 
-def _entry(first: OpCall) -> Entry | None:
+def _entry(first: AttnRes) -> Entry | None:
     """The SP shard of the embedding that the first AttnRes takes as its prefix."""
     prefix, view = first.arg("prefix"), first.view("prefix")
     slice_node = None

@@ -5,6 +5,11 @@ _all_bases=[...], _<arg>_base_index=i, [view info], **other_args)`` returning
 ``(output, *updated_bases)`` (or ``auto_functionalized(op, **args)`` returning
 ``(output, *updated_args)`` with v1). ``OpCall`` reads any of the three spellings
 (plain call, v1, v2) so that passes can ask for "the op and its arguments".
+
+A user Triton kernel launched from Python (vLLM's AttnRes, KDA and conv kernels) is
+``triton_kernel_wrapper_functional(kernel_idx, constant_args_idx, grid, ..., kwargs,
+tensors_to_clone)`` returning ``{name: new value}`` of every tensor it may write;
+``TritonCall`` reads it: its kernel, tensor and constant arguments by name, its grid.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Iterable
 import torch
 from torch import fx
 from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 
 _VIEW_KEYS = ("size", "stride", "storage_offset", "slice_dim", "slice_start", "slice_end", "alias")
 
@@ -104,6 +110,56 @@ class OpCall:
         node.kwargs = kwargs
 
 
+@dataclass
+class TritonCall:
+    """One functional launch of a user Triton kernel."""
+
+    node: fx.Node
+
+    @staticmethod
+    def of(node: fx.Node) -> "TritonCall | None":
+        if node.op == "call_function" and node.target is triton_kernel_wrapper_functional:
+            return TritonCall(node)
+        return None
+
+    @property
+    def name(self) -> str:
+        """``module.function`` of the kernel's Python source (under its ``triton.jit``,
+        autotuner and heuristics wrappers)."""
+        fn = kernel_side_table.get_kernel(self.node.kwargs["kernel_idx"])
+        while hasattr(fn, "fn"):
+            fn = fn.fn
+        return f"{fn.__module__}.{fn.__name__}"
+
+    @property
+    def constants(self) -> dict[str, Any]:
+        return kernel_side_table.get_constant_args(self.node.kwargs["constant_args_idx"])
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """A tensor argument (node), else a constant one, else ``default``."""
+        tensors = self.node.kwargs["kwargs"]
+        return tensors[name] if name in tensors else self.constants.get(name, default)
+
+    def output(self, name: str) -> fx.Node | None:
+        """The node holding the value of tensor argument ``name`` after the launch."""
+        for user in self.node.users:
+            if user.target is operator.getitem and user.args[1] == name:
+                return user
+        return None
+
+    def set_arg(self, name: str, value: fx.Node) -> None:
+        kwargs = dict(self.node.kwargs)
+        kwargs["kwargs"] = {**kwargs["kwargs"], name: value}
+        self.node.kwargs = kwargs
+
+    @property
+    def grid(self) -> list:
+        return self.node.kwargs["grid"]
+
+    def set_grid(self, grid: list) -> None:
+        self.node.kwargs = {**self.node.kwargs, "grid": grid}
+
+
 def calls(graph: fx.Graph, ops: Iterable[torch._ops.OpOverload]) -> list[OpCall]:
     """Every call of ``ops``, in graph order."""
     wanted = set(ops)
@@ -127,19 +183,29 @@ def ancestors(node: fx.Node, stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
     return seen
 
 
-def refresh_meta(gm: fx.GraphModule) -> None:
-    """Recompute every node's fake value (``meta["val"]``) after a rewrite, and the
-    ``eager_input_vals`` Inductor keeps for wrapped custom ops (their arguments'
-    values; it must describe the node's current arguments)."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+class MetaUpdater:
+    """Keeps ``meta["val"]`` right while passes rewrite a graph: Inductor's
+    ``FakeTensorUpdater`` re-propagates fake values from the nodes a pass changed or
+    added, and the ``eager_input_vals`` Inductor keeps for wrapped custom ops follow
+    their nodes' current arguments. Create it before the first rewrite."""
 
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
-    for node in gm.graph.nodes:
-        if "eager_input_vals" in node.meta:
-            node.meta["eager_input_vals"] = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+    def __init__(self, gm: fx.GraphModule):
+        from torch._inductor.fx_utils import FakeTensorUpdater
+
+        self.gm, self.updater = gm, FakeTensorUpdater(gm)
+
+    def update(self) -> int:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
+        nodes = self.gm.graph.nodes
+        mode = detect_fake_mode([n.meta.get("val") for n in nodes if n.op == "placeholder"])
+        with V.set_fake_mode(mode):
+            updated = self.updater.incremental_update()
+        for node in nodes:
+            if "eager_input_vals" in node.meta:
+                node.meta["eager_input_vals"] = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        return updated
 
 
 def op_name(node: fx.Node) -> str:

@@ -1,8 +1,11 @@
-"""The pass manager: runs the enabled passes in pipeline order as one Inductor
-post-grad custom pass, times and logs each, dumps graphs, and fills the report.
+"""The pass manager: runs the enabled passes in pipeline order (``pipeline.PASSES``) as
+one Inductor post-grad custom pass, times and logs each, dumps graphs, and fills the
+report. The decoder is parsed once; fake values are kept right incrementally
+(``graph.MetaUpdater``). A graph that holds no Kimi K3 decoder, or whose deployment is
+not the one the decode settings describe, passes every pass unchanged (``refusal``).
 
 ``KimiPasses`` is a ``CustomGraphPass``: its ``uuid()`` hashes the source of every
-module the rewrites depend on plus the options, so Inductor's FX graph cache never
+module the rewrites depend on (passes, stock, kernels, recursively) plus the options, so Inductor's FX graph cache never
 returns a graph compiled by other passes or settings (on a cache hit the passes do
 not run and the report says so).
 
@@ -27,14 +30,11 @@ from kimi_inductor.logs import graph_log
 
 from . import collectives
 from .decoder import DecoderGraph
-from .hybrid_attention import HybridAttention
-from .lower_kernels import LowerKernels
-from .mega_moe import MegaMoE
-from .report import LayerReport, MatchReport
+from .graph import MetaUpdater
+from .pipeline import PASSES
+from .report import LayerReport, MatchReport, PassInfo
 
 log = logging.getLogger("kimi_inductor.passes")
-
-PASSES = {"hybrid_attention": HybridAttention, "mega_moe": MegaMoE, "lower_kernels": LowerKernels}  # pipeline order: kimi_inductor.config.PASS_ORDER
 
 
 class MatchError(ValueError):
@@ -42,11 +42,11 @@ class MatchError(ValueError):
 
 
 class PassContext:
-    def __init__(self, gm: fx.GraphModule, options: Options, report: MatchReport):
-        self.gm, self.options, self.report = gm, options, report
+    """What every pass gets: the graph, the options, the report and the decoder, parsed
+    once per compile (a pass that rewrites decoder calls updates ``decoder``)."""
 
-    def decoder(self) -> DecoderGraph:
-        return DecoderGraph.parse(self.gm.graph)
+    def __init__(self, gm: fx.GraphModule, options: Options, report: MatchReport, decoder: DecoderGraph):
+        self.gm, self.options, self.report, self.decoder = gm, options, report, decoder
 
     def mark(self, index: int, rewritten: bool, reason: str) -> None:
         layer = self.report.layers[index]
@@ -58,6 +58,21 @@ class PassContext:
 
 
 Observer = Callable[[str, fx.GraphModule], None]  # (stage, graph), stage "before <pass>" / "after <pass>"
+
+
+def refusal(dg: DecoderGraph, options: Options) -> str:
+    """Why no pass may touch this graph ('' when they may): it holds no Kimi K3 decoder,
+    or it is not the deployment the decode settings describe."""
+    if not dg.is_decoder:
+        return "; ".join(dg.problems) or "no decoder layers"
+    decode, size = options.decode, dg.group_size or 1
+    if decode.tp is not None and size != decode.tp:
+        return f"graph has TP size {size}, options say decode.tp={decode.tp}"
+    if decode.q is not None and dg.q is not None and dg.q != decode.q:
+        return f"graph verifies q={dg.q} tokens per request, options say decode.q={decode.q}"
+    if decode.capture_sizes and dg.tokens not in decode.capture_sizes:
+        return f"batch rows {dg.tokens} not in decode.capture_sizes {list(decode.capture_sizes)}"
+    return ""
 
 
 class KimiPasses(CustomGraphPass):
@@ -76,18 +91,27 @@ class KimiPasses(CustomGraphPass):
         report.collectives_before = collectives.count(graph)
         dg = DecoderGraph.parse(graph)
         report.decoder, report.layout = dg.is_decoder, dg.layout
-        report.rows = dg.rows if isinstance(dg.rows, int) or dg.rows is None else str(dg.rows)
+        report.rows = dg.tokens if isinstance(dg.tokens, int) or dg.tokens is None else str(dg.tokens)
         report.group_size = dg.group_size
-        report.reason = "; ".join(dg.problems)
-        report.layers = [LayerReport(l.index, l.kind, l.mlp, notes=_dcp_note(l)) for l in dg.layers]
-        ctx = PassContext(gm, options, report)
+        report.layers = [LayerReport(l.index, l.kind, l.mlp, spelling=l.spelling, notes=_dcp_note(l))
+                         for l in dg.layers]
+        report.reason = refusal(dg, options)
+        ctx, meta = PassContext(gm, options, report, dg), MetaUpdater(gm)
+        if report.reason:
+            ctx.mark_all(rewritten=False, reason=report.reason)
         for name in options.passes:
             self._observe(f"before {name}", gm)
             start = time.perf_counter()
-            info = PASSES[name]()(gm, ctx)
+            if report.reason:
+                info = PassInfo(name, skipped=[report.reason])
+            else:
+                info = PASSES[name]()(gm, ctx)
+                gm.recompile()
+                meta.update()
             info.seconds = time.perf_counter() - start
             report.passes.append(info)
             self._observe(f"after {name}", gm)
+        report.layout_after = dg.layout
         report.collectives_after = collectives.count(graph)
         log.info("kimi_specialized match report\n%s", report.format())
         if options.strict and dg.layers and not all(l.rewritten for l in report.layers):
@@ -96,7 +120,7 @@ class KimiPasses(CustomGraphPass):
     def uuid(self) -> bytes:
         folders = (Path(__file__).parent, Path(kimi_inductor.stock.__file__).parent,
                    Path(kimi_inductor.kernels.__file__).parent)
-        files = [f for folder in folders for f in sorted(folder.glob("*.py"))]
+        files = [f for folder in folders for f in sorted(folder.rglob("*.py"))]
         return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json())
 
 

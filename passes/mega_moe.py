@@ -37,7 +37,7 @@ from torch import fx
 
 from kimi_inductor.kernels import expert_ffn, mega_moe
 
-from .graph import calls, refresh_meta
+from .graph import OpCall
 from .report import PassInfo
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -49,42 +49,57 @@ class MegaMoE:
 
     def __call__(self, gm: fx.GraphModule, ctx) -> PassInfo:
         info = PassInfo(self.name)
-        g = gm.graph
+        g, dg = gm.graph, ctx.decoder
         routed: dict[fx.Node, str] = {}
-        for call in calls(g, [kimi.ep_experts.default, kimi.fused_experts.default]):
+        for layer in dg.layers:
+            if layer.moe is None:
+                continue
+            call = OpCall.of(layer.moe.node)
+            if call.op in (kk.mega_moe.default, kk.expert_ffn.default):  # already ours
+                continue
             info.matched += 1
-            arg = call.arg
-            node = call.node
-            latent, w2 = arg("latent").meta["val"], arg("w2").meta["val"]
-            if call.op is kimi.ep_experts.default:
-                impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2])
-            else:
-                impl, why = expert_ffn.implementation(latent.device)
-            common = (arg("w13"), arg("w2"))
-            act = (arg("beta"), arg("linear_beta"))
-            with g.inserting_before(node):
-                if call.op is kimi.ep_experts.default:
-                    pad = g.call_function(aten.unsqueeze.default, (arg("is_padding"), 1))
-                    weights = _fill_rows(g, arg("topk_weights"), pad, 0.0)
-                    ids = _fill_rows(g, arg("topk_ids"), pad, -1)
-                    new = op = g.call_function(kk.mega_moe.default, (
-                        arg("latent"), weights, ids, *common, arg("first_expert"), arg("group_name"),
-                        arg("max_num_tokens"), *act))
-                    what = ("mega_moe: EP exchange " + ("inside DeepGEMM" if impl == "deepgemm" else
-                            "(all-gather dispatch, reduce-scatter combine)") + ", padding rows not routed")
-                else:
-                    op = g.call_function(kk.expert_ffn.default, (
-                        arg("latent"), arg("topk_weights"), arg("topk_ids"), *common, *act))
-                    new = g.call_function(prims.convert_element_type.default, (op, node.meta["val"].dtype))
-                    what = "expert_ffn: TP-sharded experts, no exchange"
-            node.replace_all_uses_with(new)
-            g.erase_node(node)
-            routed[op] = f"{what}; {impl}: {why}"
+            if call.op not in (kimi.ep_experts.default, kimi.fused_experts.default):
+                why = f"{layer.moe.spelling} MoE op {call.op._schema.name} kept (issue 17: not routed yet)"
+                routed[layer.moe.node] = why
+                if why not in info.skipped:
+                    info.skipped.append(why)
+                continue
+            op, what = _route(g, call)
+            dg.replaced(call.node, op)
+            routed[op] = what
             info.rewritten += 1
-        gm.recompile()
-        refresh_meta(gm)
         _annotate(ctx, routed)
         return info
+
+
+def _route(g: fx.Graph, call: OpCall) -> tuple[fx.Node, str]:
+    """Replace a stock experts call; returns our op's node and what it runs."""
+    arg, node = call.arg, call.node
+    latent, w2 = arg("latent").meta["val"], arg("w2").meta["val"]
+    if call.op is kimi.ep_experts.default:
+        impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2])
+    else:
+        impl, why = expert_ffn.implementation(latent.device)
+    common = (arg("w13"), arg("w2"))
+    act = (arg("beta"), arg("linear_beta"))
+    with g.inserting_before(node):
+        if call.op is kimi.ep_experts.default:
+            pad = g.call_function(aten.unsqueeze.default, (arg("is_padding"), 1))
+            weights = _fill_rows(g, arg("topk_weights"), pad, 0.0)
+            ids = _fill_rows(g, arg("topk_ids"), pad, -1)
+            new = op = g.call_function(kk.mega_moe.default, (
+                arg("latent"), weights, ids, *common, arg("first_expert"), arg("group_name"),
+                arg("max_num_tokens"), *act))
+            what = ("mega_moe: EP exchange " + ("inside DeepGEMM" if impl == "deepgemm" else
+                    "(all-gather dispatch, reduce-scatter combine)") + ", padding rows not routed")
+        else:
+            op = g.call_function(kk.expert_ffn.default, (
+                arg("latent"), arg("topk_weights"), arg("topk_ids"), *common, *act))
+            new = g.call_function(prims.convert_element_type.default, (op, node.meta["val"].dtype))
+            what = "expert_ffn: TP-sharded experts, no exchange"
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return op, f"{what}; {impl}: {why}"
 
 
 def _fill_rows(g: fx.Graph, x: fx.Node, mask: fx.Node, value) -> fx.Node:
@@ -96,9 +111,6 @@ def _fill_rows(g: fx.Graph, x: fx.Node, mask: fx.Node, value) -> fx.Node:
 
 
 def _annotate(ctx, routed: dict[fx.Node, str]) -> None:
-    dg = ctx.decoder()
-    if len(dg.layers) != len(ctx.report.layers):
-        return
-    for layer, row in zip(dg.layers, ctx.report.layers):
+    for layer, row in zip(ctx.decoder.layers, ctx.report.layers):
         if layer.moe is not None:
             row.notes["moe"] = routed.get(layer.moe.node, "stock")

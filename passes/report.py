@@ -16,6 +16,7 @@ class LayerReport:
     index: int
     kind: str  # kda | mla | dsa
     mlp: str  # moe | dense
+    spelling: str = ""  # whose ops the layer is written in (passes/spellings/)
     rewritten: bool = False
     reason: str = ""
     notes: dict[str, str] = field(default_factory=dict)  # per-pass details, e.g. the MoE implementation
@@ -34,7 +35,8 @@ class PassInfo:
 class MatchReport:
     graph: int = 0
     decoder: bool = False
-    layout: str = "none"
+    layout: str = "none"  # as compiled: sp | tp | single | mixed | none
+    layout_after: str = "none"  # after the passes (hybrid when hybrid_attention rewrote)
     rows: int | str | None = None  # T, or its symbol's name for a symbolic batch
     group_size: int | None = None
     reason: str = ""
@@ -55,7 +57,8 @@ class MatchReport:
 
     def format(self) -> str:
         lines = [f"graph {self.graph}: {'Kimi K3 decoder' if self.decoder else 'not rewritten'}"
-                 f" layout={self.layout} rows={self.rows} G={self.group_size}"
+                 f" layout={self.layout}" + (f" -> {self.layout_after}" if self.layout_after not in (self.layout, "none") else "")
+                 + f" rows={self.rows} G={self.group_size}"
                  + (f" ({self.reason})" if self.reason else "")]
         if self.layers:
             lines.append(f"  {'layer':>5} {'attn':<4} {'mlp':<5} {'rewritten':<9} reason")

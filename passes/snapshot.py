@@ -34,7 +34,7 @@ def region_nodes(graph: fx.Graph, layer: int, part: str) -> list[fx.Node]:
         raise ValueError(f"layer {layer} out of range (the graph has {len(dg.layers)} layers)")
     l = dg.layers[layer]
     if part == "attention":
-        pre_out = l.pre.output(0)
+        pre_out = l.pre.output
         nodes = _between(pre_out, l.attn_out) | {l.pre.node, pre_out}
     elif part == "mlp":
         nodes = _between(l.mlp_in, l.mlp_out)

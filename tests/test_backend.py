@@ -11,7 +11,7 @@ from helpers import compile_tiny
 
 import kimi_inductor
 from kimi_inductor.backend import KimiSpecialized, match_report
-from kimi_inductor.config import DecodeSettings, Options
+from kimi_inductor.config import PASS_ORDER, DecodeSettings, Options
 from kimi_inductor.passes.manager import KimiPasses, MatchError
 from kimi_inductor.passes.report import MatchReport
 
@@ -42,17 +42,36 @@ def test_register_is_idempotent():
     assert "kimi_specialized" in torch._dynamo.list_backends(exclude_tags=())
 
 
-def test_a_model_that_is_not_kimi_passes_through_unchanged():
+def _graphs_by_stage():
+    """An observer recording each pass's graph code before and after it."""
+    seen = {}
+    return seen, lambda stage, gm: seen.__setitem__(stage, gm.code)
+
+
+def _untouched(seen, report) -> None:
+    """Every pass left the graph as it found it and says why."""
+    for p in report.passes:
+        assert seen[f"before {p.name}"] == seen[f"after {p.name}"], p.name
+        assert p.rewritten == 0 and p.skipped == [report.reason], p
+
+
+@pytest.mark.parametrize("width", [8, 7168])
+def test_a_model_that_is_not_kimi_passes_through_unchanged(width):
+    """Not a decoder: no pass touches it (at 7168 -> 12288 bf16, a K3-sized GEMM that
+    lower_kernels would take in a decoder)."""
     torch._dynamo.reset()
-    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
-    x = torch.randn(5, 8)
-    backend = KimiSpecialized({"compiler": "eager"})
+    out, dtype = (3, torch.float32) if width == 8 else (12288, torch.bfloat16)
+    m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, out)).to(dtype)
+    x = torch.randn(5, width, dtype=dtype)
+    seen, observe = _graphs_by_stage()
+    backend = KimiSpecialized({"compiler": "eager"}, observer=observe)
     compiled = torch.compile(m, backend=backend)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), m(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(compiled(x), m(x))
     report = match_report(compiled)
     assert report is backend.report and not report.decoder and report.layers == []
     assert "not a Kimi K3 decoder graph" in report.reason
+    _untouched(seen, report)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -96,10 +115,13 @@ def test_strict_mode_raises_on_a_layer_it_cannot_rewrite(fake_world):
     ({"q": 2}, "graph verifies q=4 tokens per request, options say decode.q=2"),
     ({"tp": 4}, "graph has TP size 2, options say decode.tp=4"),
 ])
-def test_decode_settings_limit_the_rewrite(fake_world, decode, reason):
-    backend, _ = compile_tiny(group=fake_world(2), options={"decode": decode})
-    assert not any(l.rewritten for l in backend.report.layers)
-    assert backend.report.layers[0].reason == reason
+def test_decode_settings_gate_every_pass(fake_world, decode, reason):
+    seen, observe = _graphs_by_stage()
+    backend, _ = compile_tiny(group=fake_world(2), options={"decode": decode}, observer=observe)
+    report = backend.report
+    assert report.reason == reason and [p.name for p in report.passes] == list(PASS_ORDER)
+    assert all(l.reason == reason and not l.rewritten for l in report.layers)
+    _untouched(seen, report)
 
 
 def test_torch_logs_prints_the_report():

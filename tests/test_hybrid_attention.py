@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import compile_tiny
+from helpers import DENSE_PROBES, compile_tiny, decode_with_dense_probe
 from expecttest import assert_expected_inline
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -67,21 +67,37 @@ def test_symbolic_batch_is_rewritten_too(compiled):
     assert "s0" in snaps[(2, "mlp")]
 
 
-def test_dense_mlp_tied_to_its_rows_stays_on_the_shard(fake_world, monkeypatch):
+def test_row_local_dense_mlp_with_row_sized_views_runs_on_all_rows(fake_world, monkeypatch):
+    """Views that spell out the shard's row count are row-local: the rewrite resizes them."""
     from kimi_inductor.stock.moe import DenseMLP
 
     forward = DenseMLP.forward
 
-    def tied(self, x, is_padding=None):  # a permutation through views with the row count baked in
+    def permuted(self, x, is_padding=None):  # a per-row permutation through views with the rows baked in
         x = x.view(x.shape[0], 2, -1).transpose(1, 2).reshape(x.shape[0], -1)
         return forward(self, x, is_padding)
 
-    monkeypatch.setattr(DenseMLP, "forward", tied)
+    monkeypatch.setattr(DenseMLP, "forward", permuted)
     backend, _ = compile_tiny(group=fake_world(2), q=1, requests=2, padding=1)
     report = backend.report
     assert all(l.rewritten for l in report.layers)
-    assert "dense MLP kept on the row shard" in report.layers[0].reason
-    assert report.collectives_after["all_gather"] == 9  # the 8 MoE layers and the dense one
+    assert "dense MLP on all rows" in report.layers[0].reason
+    assert report.collectives_after["all_gather"] == 8  # the 8 MoE layers
+
+
+def test_only_row_local_dense_mlps_cross_the_collective():
+    """Probes (issue 15): a dense MLP that mixes rows must stay on the shard, where SP ran
+    it, and the result must equal stock bitwise (bf16, 2 ranks, a padding row)."""
+    run = DecodeRun(preset="tiny", layout="sp", q=1, requests=2, padding=1, steps=8)
+    compiled = dataclasses.replace(run, backend="kimi_specialized", options={"compiler": "eager"})
+    cases = [(name, r) for name in DENSE_PROBES for r in (run, compiled)]
+    results = run_ranks(decode_with_dense_probe, 2, cases)[0]
+    for i, name in enumerate(DENSE_PROBES):
+        ref, out = results[2 * i]["outputs"], results[2 * i + 1]["outputs"]
+        layer0 = results[2 * i + 1]["report"]["layers"][0]
+        assert torch.equal(out, ref), f"{name}: max diff {(out - ref).abs().max():.3g}"
+        where = "on all rows" if name == "row_sized_views" else "kept on the row shard"
+        assert layer0["rewritten"] and where in layer0["reason"], (name, layer0["reason"])
 
 
 # Snapshots of the rewritten graph (T = 3 rows: one SP pad row at G = 2 and G = 4).

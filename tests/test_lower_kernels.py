@@ -60,7 +60,11 @@ def test_norm_and_situ_fuse_into_their_gemms_at_k3_shapes(rows, fused):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from kimi_inductor.config import Options
+    from kimi_inductor.passes.decoder import DecoderGraph
     from kimi_inductor.passes.lower_kernels import LowerKernels
+    from kimi_inductor.passes.manager import PassContext
+    from kimi_inductor.passes.report import MatchReport
     from kimi_inductor.stock.attn_res import rms_norm
     from kimi_inductor.stock.layers import situ_and_mul
 
@@ -76,7 +80,7 @@ def test_norm_and_situ_fuse_into_their_gemms_at_k3_shapes(rows, fused):
                 torch.empty(1536, dtype=bf16), torch.empty(2304, 1536, dtype=bf16),
                 torch.empty(rows, 7168, dtype=bf16), torch.empty(12288, 7168, dtype=bf16)]
         gm = make_fx(tail, decomposition_table=select_decomp_table())(*args)
-    info = LowerKernels()(gm, None)
+    info = LowerKernels()(gm, PassContext(gm, Options(), MatchReport(), DecoderGraph()))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     kk, aten = torch.ops.kimi_kernels, torch.ops.aten
     if fused:

@@ -225,10 +225,13 @@ def test_importing_vllm_from_a_checkout_keeps_our_ops():
     """transformers (imported with vLLM) imports a top-level ``kernels`` while probing for
     the Hugging Face package; from the repository root that is our folder, which must
     not register our ops a second time (that invalidates the ops the passes match)."""
-    from kimi_inductor.passes.decoder import ATTENTION_CORES, ROUTED_EXPERTS
+    from kimi_inductor.passes import roles
 
-    assert torch.ops.kimi_kernels.mega_moe.default in ROUTED_EXPERTS
-    assert torch.ops.kimi_kernels.kda_decode.default in ATTENTION_CORES
+    from kimi_inductor.passes.spellings import kimi
+
+    assert torch.ops.kimi_kernels.mega_moe.default in kimi.EXPERTS
+    assert torch.ops.kimi_kernels.kda_decode.default in kimi.CORES
+    assert kimi.SPELLING in roles.SPELLINGS
 
 
 def test_plugin_makes_k3_compilable_when_asked(model_dir, monkeypatch):

@@ -1,0 +1,15 @@
+"""The passes of ``kimi_specialized``, in the order they run (the only list of them).
+
+    hybrid_attention  SP decoder -> hybrid step (first: later passes see final row layouts)
+    mega_moe          routed experts -> our expert-parallel / grouped expert kernels
+    lower_kernels     decode subgraphs -> our Triton / CuTe DSL kernels (last)
+"""
+
+from __future__ import annotations
+
+from .hybrid_attention import HybridAttention
+from .lower_kernels import LowerKernels
+from .mega_moe import MegaMoE
+
+PASSES = {p.name: p for p in (HybridAttention, MegaMoE, LowerKernels)}
+PASS_ORDER = tuple(PASSES)

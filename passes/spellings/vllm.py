@@ -1,0 +1,145 @@
+"""vLLM 0.33.0's spelling of Kimi K3 (``vllm.models.kimi_k3.nvidia``), as its decode graph
+reaches a post-grad pass (functional: Triton launches are ``triton_kernel_wrapper_functional``,
+mutating ``_C`` ops ``auto_functionalized_v2``). Everything is matched by name, so this
+module needs neither vLLM nor its CUDA extension to be importable.
+
+    AttnRes   ``ops.attn_res._attn_res_kernel`` launched with grid (R, 1, 1): tensors
+              ``prefix_ptr`` (+ ``delta_ptr`` when it has one), ``blocks_ptr``, the three
+              weights and ``output_ptr`` (an [R, H] ``empty`` it allocates), constants
+              ``num_blocks``, ``block_write_idx``, ``eps``, ``output_norm_eps`` in the
+              kernel side table; or ``_C::kimi_k3_attn_res`` (SM100, H = 7168) with the
+              same arguments and ``output``
+    KDA       ``_C::fused_kda_decode``, else the Triton recurrence
+              (``fused_recurrent_kda_packed_decode_kernel`` / ``fused_recurrent_kda_fwd_kernel``)
+              that follows the conv update; q is not visible in the call
+    MLA       ``_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (the q concat and
+              cache insert that starts every MLA decode core)
+    experts   ``vllm::moe_forward_shared`` / ``vllm::moe_forward``: the whole MoE (top-k,
+              routed and shared experts) in one op that finds its layer by name
+    collectives ``vllm::all_gather(x, 0, G, group)``, ``vllm::reduce_scatter(y, 0, G, group)``,
+              ``vllm::all_reduce(y, group)``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.pattern_matcher import CallFunction, KeywordArg
+
+from ..graph import OpCall, TritonCall
+from ..roles import AttnRes, CollectiveSpelling, Core, Experts, Spelling, resize_rows
+
+NAME = "vllm"
+K3 = "vllm.models.kimi_k3.nvidia.ops"
+ATTN_RES_KERNEL = f"{K3}.attn_res._attn_res_kernel"
+KDA_KERNELS = {f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_packed_decode_kernel",
+               f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_fwd_kernel"}
+CORE_OPS = {"_C::fused_kda_decode": "kda", "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": "mla"}
+EXPERT_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
+ROW_LOCAL_OPS = {"vllm_ir::rms_norm": (0,), "_C::situ_and_mul": (0, 1)}
+
+
+def _op_name(node: fx.Node) -> str | None:
+    call = OpCall.of(node)
+    return None if call is None else call.op._schema.name
+
+
+class TritonAttnRes(AttnRes):
+    """``_attn_res_kernel``: the role's names with a ``_ptr`` suffix for tensors."""
+
+    def __init__(self, call: TritonCall):
+        self.call, self.node, self.spelling = call, call.node, NAME
+
+    @staticmethod
+    def _key(name: str) -> str:
+        return name if name in ("num_blocks", "block_write_idx", "eps", "output_norm_eps") else f"{name}_ptr"
+
+    def arg(self, name: str) -> Any:
+        return self.call.arg(self._key(name))
+
+    @property
+    def output(self) -> fx.Node | None:
+        return self.call.output("output_ptr")
+
+    def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
+        self.call.set_arg(self._key(name), value)
+
+    def set_rows(self, g: fx.Graph, rows: Any) -> None:
+        """One program per row: the grid and the ``output_ptr`` allocation follow R."""
+        alloc = self.call.arg("output_ptr")
+        self.call.set_arg("output_ptr", resize_rows(g, alloc, rows))
+        self.call.set_grid([(rows, *self.call.grid[0][1:])])
+
+
+class OpAttnRes(AttnRes):
+    """``_C::kimi_k3_attn_res(prefix, delta, blocks, ..., output, num_blocks, ...)``."""
+
+    def __init__(self, call: OpCall):
+        self.call, self.node, self.spelling = call, call.node, NAME
+
+    def arg(self, name: str) -> Any:
+        return self.call.arg(name)
+
+    def view(self, name: str) -> dict[str, Any]:
+        return self.call.view(name)
+
+    @property
+    def output(self) -> fx.Node | None:
+        return self.call.mutated_output("output")
+
+    def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
+        self.call.set_arg(name, value, drop_view)
+
+    def set_rows(self, g: fx.Graph, rows: Any) -> None:
+        self.call.set_arg("output", resize_rows(g, self.call.arg("output"), rows), drop_view=True)
+
+
+def _attn_res(node: fx.Node) -> AttnRes | None:
+    triton = TritonCall.of(node)
+    if triton is not None:
+        return TritonAttnRes(triton) if triton.name == ATTN_RES_KERNEL else None
+    return OpAttnRes(OpCall.of(node)) if _op_name(node) == "_C::kimi_k3_attn_res" else None
+
+
+def _core(node: fx.Node) -> Core | None:
+    triton = TritonCall.of(node)
+    if triton is not None:
+        return Core(node, "kda", NAME) if triton.name in KDA_KERNELS else None
+    kind = CORE_OPS.get(_op_name(node))
+    return None if kind is None else Core(node, kind, NAME)
+
+
+def _experts(node: fx.Node) -> Experts | None:
+    return Experts(node, "layer", NAME) if _op_name(node) in EXPERT_OPS else None
+
+
+def _vllm(name: str):
+    """vLLM's collective op (None until vLLM, or a look-alike, registered it)."""
+    packet = getattr(getattr(torch.ops, "vllm", None), name, None)
+    return None if packet is None else packet.default
+
+
+def _patterns(name: str, *args) -> list:
+    op = _vllm(name)
+    return [] if op is None else [CallFunction(op, *args)]
+
+
+def _emit(g: fx.Graph, after: fx.Node, name: str, args: tuple) -> fx.Node:
+    with g.inserting_after(after):
+        return g.call_function(_vllm(name), args)
+
+
+COLLECTIVES = CollectiveSpelling(
+    gathers=lambda: _patterns("all_gather", KeywordArg("x"), 0, KeywordArg("group_size"), KeywordArg("group_name")),
+    scatters=lambda y: _patterns("reduce_scatter", y, 0, KeywordArg("group_size"), KeywordArg("group_name")),
+    all_reduces=lambda: _patterns("all_reduce", KeywordArg("y"), KeywordArg("group_name")),
+    emit_all_reduce=lambda g, after, y, like: _emit(g, after, "all_reduce", (y, like.group_name)),
+    emit_all_gather=lambda g, after, x, like: _emit(
+        g, after, "all_gather", (x, 0, like.bindings["group_size"], like.group_name)),
+    ops=lambda: {op: name for name in ("all_reduce", "all_gather", "reduce_scatter") if (op := _vllm(name))},
+)
+
+SPELLING = Spelling(NAME, _attn_res, _core, _experts, COLLECTIVES, row_local=ROW_LOCAL_OPS,
+                    notes="vLLM 0.33.0's Kimi K3: Triton launches, _C ops, vllm:: collectives")
