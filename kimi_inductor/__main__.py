@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--ranks", type=int, default=4)
     e.add_argument("--q", type=int, default=1)
     e.add_argument("--requests", type=int, default=8)
-    e.add_argument("--layer", type=int, help="also print this layer's region before and after the rewrite")
+    e.add_argument("--layer", type=int, help="also print this layer's region before the passes and after each")
     e.add_argument("--part", default="attention", choices=["attention", "mlp"])
     e.add_argument("--json", dest="json_path")
 
@@ -60,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .explain import explain
 
-    report, before, after = explain(args.preset, args.layout, args.ranks, args.q, args.requests,
-                                    layer=args.layer, part=args.part)
+    report, regions = explain(args.preset, args.layout, args.ranks, args.q, args.requests,
+                              layer=args.layer, part=args.part)
     print(report.format())
-    if args.layer is not None:
-        print(f"\nlayer {args.layer} {args.part}, before hybrid_attention:\n{before}")
-        print(f"\nlayer {args.layer} {args.part}, after hybrid_attention:\n{after}")
+    for stage, text in regions.items():
+        print(f"\nlayer {args.layer} {args.part}, {'before the passes' if stage == 'before' else 'after ' + stage}:"
+              f"\n{text}")
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(report.to_dict(), fh, indent=2)

@@ -19,6 +19,7 @@ from typing import Any
 
 from .harness import DecodeRun, decode_many
 from .launch import run_ranks
+from .passes.report import LayerReport
 
 
 def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, requests: int = 3, padding: int = 1,
@@ -48,7 +49,8 @@ def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, reque
     layers = []
     for info, rep in zip(ref["layers"], report["layers"]):
         t = sorted(timings.get(info["index"], [0.0]))
-        layers.append({**{k: rep[k] for k in ("index", "kind", "mlp", "rewritten", "reason", "notes")},
+        layers.append({**{k: rep[k] for k in ("index", "kind", "mlp", "spelling", "rewritten", "rewritten_by",
+                                               "reason", "notes")},
                        "shapes": info["shapes"], "stock_ms": 1e3 * t[len(t) // 2]})
     result = {
         "preset": preset, "ranks": ranks, "dcp": dcp, "q": q, "steps": steps, "rows": rows, "dtype": dtype,
@@ -73,11 +75,12 @@ def format_demo(r: dict[str, Any]) -> str:
     lines = [f"kimi_specialized on the {r['preset']} Kimi K3 decoder: {r['ranks']} CPU ranks (gloo), "
              f"DCP {r['dcp']}, {r['rows']} rows (q={r['q']}), {r['steps']} steps, {r['dtype']}, "
              f"{r['compiler']} compiler",
-             f"{'layer':>5} {'attn':<4} {'mlp':<5} {'stock ms':>8}  {'rewritten':<9} reason"]
+             f"{'layer':>5} {'attn':<4} {'mlp':<5} {'stock ms':>8}  rewritten by"]
     for l in r["layers"]:
         lines.append(f"{l['index']:>5} {l['kind']:<4} {l['mlp']:<5} {l['stock_ms']:>8.2f}  "
-                     f"{'yes' if l['rewritten'] else 'no':<9} {l['reason']}")
-        lines += [f"{'':>26}{key}: {note}" for key, note in l["notes"].items()]
+                     f"{', '.join(l['rewritten_by']) or 'no pass'}")
+        row = LayerReport(**{k: l[k] for k in ("index", "kind", "mlp", "reason", "notes")})
+        lines += [f"{'':>26}{label}: {text}" for label, text in row.statements()]
     first = r["layers"][0]["shapes"]
     lines.append("rank-0 weights of layer 0: " + ", ".join(f"{k} {v}" for k, v in first.items()))
     lines.append(f"collectives per step: stock {r['collectives_stock']} -> kimi_specialized "

@@ -29,8 +29,9 @@ from .stock.batch import DecodeBatch
 
 def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1, requests: int = 8,
             rank: int = 0, layer: int | None = None, part: str = "attention",
-            options: dict[str, Any] | None = None) -> tuple[MatchReport, str, str]:
-    """(report, region before, region after) for ``layer``'s ``part`` (empty without ``layer``)."""
+            options: dict[str, Any] | None = None) -> tuple[MatchReport, dict[str, str]]:
+    """(report, regions): ``layer``'s ``part`` as the passes found it (``"before"``) and
+    after each pass that ran (keyed by the pass name); empty without ``layer``."""
     if dist.is_initialized():
         raise RuntimeError("explain uses its own fake process group; call it outside a distributed job")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
@@ -43,8 +44,9 @@ def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1
         regions: dict[str, str] = {}
 
         def observe(stage: str, gm) -> None:
-            if layer is not None and stage.endswith("hybrid_attention"):
-                regions[stage.split()[0]] = region_text(gm, layer, part)
+            when, name = stage.split()
+            if layer is not None and (when == "after" or not regions):
+                regions["before" if when == "before" else name] = region_text(gm, layer, part)
 
         report = MatchReport()
         passes = KimiPasses(Options.from_mapping(options), report, observe)
@@ -61,7 +63,7 @@ def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1
         torch._dynamo.reset()
         with torch.no_grad():
             torch.compile(model, backend=compile_only, fullgraph=True, dynamic=False)(batch.step().to("meta"), caches)
-        return report, regions.get("before", ""), regions.get("after", "")
+        return report, regions
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()

@@ -237,12 +237,13 @@ def _swap(g: fx.Graph, call: OpCall, op, kwargs: dict) -> fx.Node:
 
 def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
     """Per layer: which of its subgraphs now run our kernels."""
-    for layer, row in zip(ctx.decoder.layers, ctx.report.layers):
+    for layer in ctx.decoder.layers:
         attn = [n for n in _between(layer.pre.output, layer.attn_out) if n in per_node]
         mlp = [n for n in _between(layer.mlp_in, layer.mlp_out) if n in per_node]
         res = sum(c.node in per_node for c in (layer.pre, layer.post))
-        row.notes["kernels"] = (f"attention: {_summary(attn, per_node)}; mlp: {_summary(mlp, per_node)}"
-                                + (f"; AttnRes: fused x{res}" if res else ""))
+        ctx.note(layer.index, LowerKernels.name, "kernels",
+                 f"attention: {_summary(attn, per_node)}; mlp: {_summary(mlp, per_node)}"
+                 + (f"; AttnRes: fused x{res}" if res else ""), rewritten=bool(attn or mlp or res))
 
 
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM",

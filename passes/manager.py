@@ -49,12 +49,26 @@ class PassContext:
         self.gm, self.options, self.report, self.decoder = gm, options, report, decoder
 
     def mark(self, index: int, rewritten: bool, reason: str) -> None:
-        layer = self.report.layers[index]
-        layer.rewritten, layer.reason = rewritten, reason
+        """hybrid_attention's statement about layer ``index``."""
+        self.report.layers[index].reason = reason
+        if rewritten:
+            self.rewrote(index, "hybrid_attention")
 
     def mark_all(self, rewritten: bool, reason: str) -> None:
         for layer in self.report.layers:
-            layer.rewritten, layer.reason = rewritten, reason
+            self.mark(layer.index, rewritten, reason)
+
+    def note(self, index: int, pass_name: str, key: str, text: str, rewritten: bool) -> None:
+        """A pass's statement about layer ``index`` (``notes[key]``)."""
+        self.report.layers[index].notes[key] = text
+        if rewritten:
+            self.rewrote(index, pass_name)
+
+    def rewrote(self, index: int, pass_name: str) -> None:
+        layer = self.report.layers[index]
+        if pass_name not in layer.rewritten_by:
+            layer.rewritten_by.append(pass_name)
+        layer.rewritten = True
 
 
 Observer = Callable[[str, fx.GraphModule], None]  # (stage, graph), stage "before <pass>" / "after <pass>"
@@ -114,7 +128,8 @@ class KimiPasses(CustomGraphPass):
         report.layout_after = dg.layout
         report.collectives_after = collectives.count(graph)
         log.info("kimi_specialized match report\n%s", report.format())
-        if options.strict and dg.layers and not all(l.rewritten for l in report.layers):
+        required = {"hybrid_attention"} & set(options.passes) or set(options.passes)
+        if options.strict and dg.layers and not all(required & set(l.rewritten_by) for l in report.layers):
             raise MatchError(f"kimi_specialized (strict): not every layer was rewritten\n{report.format()}")
 
     def uuid(self) -> bytes:

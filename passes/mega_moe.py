@@ -111,6 +111,8 @@ def _fill_rows(g: fx.Graph, x: fx.Node, mask: fx.Node, value) -> fx.Node:
 
 
 def _annotate(ctx, routed: dict[fx.Node, str]) -> None:
-    for layer, row in zip(ctx.decoder.layers, ctx.report.layers):
+    for layer in ctx.decoder.layers:
         if layer.moe is not None:
-            row.notes["moe"] = routed.get(layer.moe.node, "stock")
+            node = layer.moe.node
+            ctx.note(layer.index, MegaMoE.name, "moe", routed.get(node, "stock"),
+                     rewritten=node in routed and OpCall.of(node).op in (kk.mega_moe.default, kk.expert_ffn.default))

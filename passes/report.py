@@ -13,13 +13,28 @@ from typing import Any
 
 @dataclass
 class LayerReport:
+    """One decoder layer: what each pass did to it. ``reason`` is hybrid_attention's
+    statement (the collectives), ``notes`` mega_moe's (``moe``), lower_kernels'
+    (``kernels``) and the attention's DCP layout (``dcp``)."""
+
     index: int
     kind: str  # kda | mla | dsa
     mlp: str  # moe | dense
     spelling: str = ""  # whose ops the layer is written in (passes/spellings/)
-    rewritten: bool = False
+    rewritten: bool = False  # by some pass
     reason: str = ""
-    notes: dict[str, str] = field(default_factory=dict)  # per-pass details, e.g. the MoE implementation
+    notes: dict[str, str] = field(default_factory=dict)
+    rewritten_by: list[str] = field(default_factory=list)  # the passes that changed this layer
+
+
+    def statements(self) -> list[tuple[str, str]]:
+        """(label, text) per pass that said something about this layer, then the rest."""
+        out = [("hybrid_attention", self.reason)] if self.reason else []
+        out += [(NOTE_PASSES.get(k, k), v) for k, v in self.notes.items()]
+        return out
+
+
+NOTE_PASSES = {"moe": "mega_moe", "kernels": "lower_kernels"}
 
 
 @dataclass
@@ -61,11 +76,11 @@ class MatchReport:
                  + f" rows={self.rows} G={self.group_size}"
                  + (f" ({self.reason})" if self.reason else "")]
         if self.layers:
-            lines.append(f"  {'layer':>5} {'attn':<4} {'mlp':<5} {'rewritten':<9} reason")
+            lines.append(f"  {'layer':>5} {'attn':<4} {'mlp':<5} {'spelling':<8} rewritten by")
             for l in self.layers:
-                notes = "".join(f"; {k}: {v}" for k, v in l.notes.items())
-                lines.append(f"  {l.index:>5} {l.kind:<4} {l.mlp:<5} {'yes' if l.rewritten else 'no':<9} "
-                             f"{l.reason}{notes}")
+                lines.append(f"  {l.index:>5} {l.kind:<4} {l.mlp:<5} {l.spelling:<8} "
+                             f"{', '.join(l.rewritten_by) or 'no pass'}")
+                lines += [f"  {'':>25}{label}: {text}" for label, text in l.statements()]
         for p in self.passes:
             lines.append(f"  pass {p.name}: matched {p.matched}, rewrote {p.rewritten}"
                          + (f", skipped: {'; '.join(p.skipped)}" if p.skipped else "")

@@ -26,11 +26,17 @@ def test_demo_main_job_writes_its_json(tmp_path):
 
 
 def test_explain_compiles_without_running():
-    report, before, after = explain("tiny-k3.1", "sp", ranks=4, q=2, requests=4, layer=3, part="attention")
+    report, regions = explain("tiny-k3.1", "sp", ranks=4, q=2, requests=4, layer=3, part="attention")
+    assert list(regions) == ["before", "hybrid_attention", "mega_moe", "lower_kernels"]
+    before, after = regions["before"], regions["hybrid_attention"]
     assert report.layout == "sp" and all(l.rewritten for l in report.layers)
     assert [l.kind for l in report.layers][3] == "dsa"
     assert "c10d.reduce_scatter_tensor" in before and "c10d.all_reduce" in after
     assert "kimi.dsa_decode" in after and "reduce_scatter" not in after
+    assert "kimi_kernels.dsa_decode" in regions["lower_kernels"]  # the region after every pass
+    assert all(l.rewritten_by == ["hybrid_attention", "lower_kernels"] for l in report.layers if l.mlp == "dense")
+    text = report.format()
+    assert all(f"{name}: " in text for name in ("hybrid_attention", "mega_moe", "lower_kernels"))
     # the meta graph leaves the last AttnRes unread; lowering keeps it so every layer is annotated
     assert all(l.notes["kernels"].endswith("AttnRes: fused x2") for l in report.layers)
 
