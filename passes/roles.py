@@ -67,6 +67,31 @@ class AttnRes:
         """Resize what the call sizes by its rows beyond its tensor inputs (nothing by default)."""
 
 
+class OpAttnRes(AttnRes):
+    """AttnRes as one custom op (``graph.OpCall``) whose arguments carry the role's names;
+    the mix is its result, or the new value of its mutable argument ``out`` when given."""
+
+    def __init__(self, call, spelling: str, out: str | None = None):
+        self.call, self.node, self.spelling, self.out = call, call.node, spelling, out
+
+    def arg(self, name: str) -> Any:
+        return self.call.arg(name)
+
+    def view(self, name: str) -> dict[str, Any]:
+        return self.call.view(name)
+
+    @property
+    def output(self) -> fx.Node | None:
+        return self.call.output(0) if self.out is None else self.call.mutated_output(self.out)
+
+    def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
+        self.call.set_arg(name, value, drop_view)
+
+    def set_rows(self, g: fx.Graph, rows: Any) -> None:
+        if self.out is not None:  # the op writes the mix into a buffer sized by rows
+            self.call.set_arg(self.out, resize_rows(g, self.call.arg(self.out), rows), drop_view=True)
+
+
 @dataclass
 class Core:
     node: fx.Node  # the anchor: the call that places the layer's attention in graph order

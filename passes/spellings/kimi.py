@@ -13,7 +13,6 @@ collectives (``_c10d_functional.*`` + ``wait_tensor``).
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import fx
@@ -22,7 +21,7 @@ from torch._inductor.pattern_matcher import CallFunction, KeywordArg
 import kimi_inductor.kernels  # noqa: F401  (registers kimi_kernels::*)
 
 from ..graph import OpCall
-from ..roles import AttnRes, CollectiveSpelling, Core, Experts, Spelling
+from ..roles import AttnRes, CollectiveSpelling, Core, Experts, OpAttnRes, Spelling
 
 kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -38,29 +37,9 @@ EXPERTS = {kimi.ep_experts.default: "ep", kk.mega_moe.default: "ep",
            kimi.fused_experts.default: "tp", kk.expert_ffn.default: "tp"}
 
 
-class OpAttnRes(AttnRes):
-    """AttnRes as one custom op whose arguments carry the role's names."""
-
-    def __init__(self, call: OpCall):
-        self.call, self.node, self.spelling = call, call.node, NAME
-
-    def arg(self, name: str) -> Any:
-        return self.call.arg(name)
-
-    def view(self, name: str) -> dict[str, Any]:
-        return self.call.view(name)
-
-    @property
-    def output(self) -> fx.Node | None:
-        return self.call.output(0)
-
-    def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
-        self.call.set_arg(name, value, drop_view)
-
-
 def _attn_res(node: fx.Node) -> AttnRes | None:
     call = OpCall.of(node)
-    return OpAttnRes(call) if call is not None and call.op in ATTN_RES else None
+    return OpAttnRes(call, NAME) if call is not None and call.op in ATTN_RES else None
 
 
 def _core(node: fx.Node) -> Core | None:

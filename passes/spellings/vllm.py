@@ -29,7 +29,7 @@ from torch import fx
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg
 
 from ..graph import OpCall, TritonCall
-from ..roles import AttnRes, CollectiveSpelling, Core, Experts, Spelling, resize_rows
+from ..roles import AttnRes, CollectiveSpelling, Core, Experts, OpAttnRes, Spelling, resize_rows
 
 NAME = "vllm"
 K3 = "vllm.models.kimi_k3.nvidia.ops"
@@ -73,34 +73,11 @@ class TritonAttnRes(AttnRes):
         self.call.set_grid([(rows, *self.call.grid[0][1:])])
 
 
-class OpAttnRes(AttnRes):
-    """``_C::kimi_k3_attn_res(prefix, delta, blocks, ..., output, num_blocks, ...)``."""
-
-    def __init__(self, call: OpCall):
-        self.call, self.node, self.spelling = call, call.node, NAME
-
-    def arg(self, name: str) -> Any:
-        return self.call.arg(name)
-
-    def view(self, name: str) -> dict[str, Any]:
-        return self.call.view(name)
-
-    @property
-    def output(self) -> fx.Node | None:
-        return self.call.mutated_output("output")
-
-    def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
-        self.call.set_arg(name, value, drop_view)
-
-    def set_rows(self, g: fx.Graph, rows: Any) -> None:
-        self.call.set_arg("output", resize_rows(g, self.call.arg("output"), rows), drop_view=True)
-
-
 def _attn_res(node: fx.Node) -> AttnRes | None:
     triton = TritonCall.of(node)
     if triton is not None:
         return TritonAttnRes(triton) if triton.name == ATTN_RES_KERNEL else None
-    return OpAttnRes(OpCall.of(node)) if _op_name(node) == "_C::kimi_k3_attn_res" else None
+    return OpAttnRes(OpCall.of(node), NAME, out="output") if _op_name(node) == "_C::kimi_k3_attn_res" else None
 
 
 def _core(node: fx.Node) -> Core | None:
