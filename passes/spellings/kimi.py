@@ -13,7 +13,6 @@ collectives (``_c10d_functional.*`` + ``wait_tensor``).
 
 from __future__ import annotations
 
-
 import torch
 from torch import fx
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg
