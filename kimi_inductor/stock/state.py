@@ -32,6 +32,28 @@ from torch import Tensor
 
 LayerCache = tuple[Tensor, ...]
 
+MAX_Q = 8  # tokens per request: vLLM's verify kernels take at most 8 (the fused KDA kernel pads to 16)
+
+
+def check_q(q, where: str) -> None:
+    """Refuse q (tokens per request, 1 + speculative tokens) outside 1..8 with a
+    ``ValueError`` naming ``where``. A symbolic q (a dynamic-shape trace) is not
+    checked here; the op checks it again when it runs."""
+    if isinstance(q, int) and not 1 <= q <= MAX_Q:
+        raise ValueError(f"{where}: q = {q} tokens per request is outside 1..{MAX_Q} (q = 1 + speculative "
+                         f"tokens; verify at most {MAX_Q - 1} speculative tokens per step)")
+
+
+def tokens_per_request(rows, requests, where: str):
+    """q of an op that gets T = R q token rows and R requests (block-table rows),
+    checked as ``check_q`` does; T must be a multiple of R."""
+    if isinstance(rows, int) and isinstance(requests, int) and (requests < 1 or rows % requests):
+        raise ValueError(f"{where}: {rows} token rows do not split into {requests} requests of q tokens each "
+                         "(rows must be requests x q, the block table one row per request)")
+    q = rows // requests
+    check_q(q, where)
+    return q
+
 
 @dataclass
 class DecodeStep:
