@@ -60,7 +60,8 @@ def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1
 
         torch._dynamo.reset()
         with torch.no_grad():
-            torch.compile(model, backend=compile_only, fullgraph=True, dynamic=False)(batch.step().to("meta"), caches)
+            step = model.validate_step(batch.step(), caches).to("meta")
+            torch.compile(model, backend=compile_only, fullgraph=True, dynamic=False)(step, caches)
         return report, regions.get("before", ""), regions.get("after", "")
     finally:
         dist.destroy_process_group()

@@ -59,7 +59,7 @@ def decode(run: DecodeRun) -> dict[str, Any]:
     outputs, seconds = [], []
     with torch.no_grad():
         for _ in range(run.steps):
-            step = batch.step().to(device)
+            step = model.validate_step(batch.step(), caches).to(device)
             start = time.perf_counter()
             out = step_fn(step, caches)
             seconds.append(time.perf_counter() - start)
