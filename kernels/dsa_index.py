@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from kimi_inductor.stock.dsa import select_topk
+from kimi_inductor.stock.state import check_q, tokens_per_request
 
 from .common import INTERPRET, tl, triton
 
@@ -221,7 +222,7 @@ def scores(index_q: Tensor, index_w: Tensor, index_cache: Tensor, block_table: T
     """The indexer's scores [R, q, W] fp32 (-inf where not visible)."""
     T, N, D = index_q.shape
     R = block_table.shape[0]
-    Q, block = T // R, index_cache.shape[1]
+    Q, block = tokens_per_request(T, R, "kimi_kernels DSA indexer scores"), index_cache.shape[1]
     W = block_table.shape[1] * block
     out = torch.empty(R, Q, W, dtype=torch.float32, device=index_q.device)
     assert index_q.is_contiguous() and index_cache.is_contiguous() and index_w.is_contiguous()
@@ -238,6 +239,7 @@ def select(scores: Tensor, seq_lens: Tensor, topk: int, warps: int | None = None
     the ``topk`` best visible positions of each query row, ties to the earlier position ->
     [R, q, W] bool. ``warps``: for the benchmark's sweep (benchmarks/dsa_index.py --sweep)."""
     R, Q, W = scores.shape
+    check_q(Q, "kimi_kernels DSA top-k selection")
     if W > SELECT_MAX:
         return radix_select(scores, seq_lens, topk)
     block = max(128, triton.next_power_of_2(W))
@@ -251,6 +253,7 @@ def radix_select(scores: Tensor, seq_lens: Tensor, topk: int) -> Tensor:
     """``select`` for rows of any width: chunks of RADIX_CHUNK scores in parallel, four
     byte passes (histograms merged with integer atomics: deterministic), then the mask."""
     R, Q, W = scores.shape
+    check_q(Q, "kimi_kernels DSA top-k selection")
     rows, nc = R * Q, triton.cdiv(W, RADIX_CHUNK)
     merged = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
     last = torch.empty(rows, nc, 256, dtype=torch.int32, device=scores.device)
@@ -269,6 +272,7 @@ def positions(selected: Tensor, topk: int) -> tuple[Tensor, Tensor]:
     request's count are unset. What the DSA core gathers instead of streaming every
     position."""
     R, Q, W = selected.shape
+    check_q(Q, "kimi_kernels DSA position lists")
     cap = min(W, Q * topk)
     pos = torch.empty(R, cap, dtype=torch.int32, device=selected.device)
     counts = torch.empty(R, dtype=torch.int32, device=selected.device)
@@ -278,7 +282,8 @@ def positions(selected: Tensor, topk: int) -> tuple[Tensor, Tensor]:
 
 def _fake(index_q, index_w, index_cache, block_table, seq_lens, topk):
     R = block_table.shape[0]
-    return index_q.new_empty(R, index_q.shape[0] // R, block_table.shape[1] * index_cache.shape[1], dtype=torch.bool)
+    Q = tokens_per_request(index_q.shape[0], R, "kimi_kernels::dsa_select")
+    return index_q.new_empty(R, Q, block_table.shape[1] * index_cache.shape[1], dtype=torch.bool)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::dsa_select", mutates_args=())
@@ -286,6 +291,7 @@ def dsa_select(index_q: Tensor, index_w: Tensor, index_cache: Tensor, block_tabl
                topk: int) -> Tensor:
     R = block_table.shape[0]
     T, N, D = index_q.shape
+    tokens_per_request(T, R, "kimi_kernels::dsa_select")
     if not (index_q.is_cuda or INTERPRET) or supported(T // R, N, D):
         return select_topk(index_q, index_w, index_cache, block_table, seq_lens, topk)
     scored = scores(index_q.contiguous(), index_w.contiguous(), index_cache, block_table, seq_lens)

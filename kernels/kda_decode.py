@@ -38,6 +38,7 @@ from torch import Tensor
 
 import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
 from kimi_inductor.stock.library import REFERENCES
+from kimi_inductor.stock.state import check_q
 
 from .common import INTERPRET, SMS, bf16_round, tl, triton
 
@@ -103,6 +104,7 @@ if triton is not None:
         wv3 = tl.load(convw_ptr + cv * 4 + 3)
         # g1 = f_a f_b^T for all q tokens at once (one dot, rows padded to 16), so that the
         # f_b rows need not stay in registers next to the state during the token loop
+        tl.static_assert(Q <= 16, "kda_decode: the gate rows hold at most 16 tokens (the op allows q <= 8)")
         tq = tl.arange(0, 16)
         fa_all = tl.load(fa_ptr + (r * Q + tq)[:, None] * stride_fa + d[None, :], mask=(tq < Q)[:, None], other=0.0)
         fbw_t = tl.load(fbw_ptr + (h * D + d)[None, :] * D + d[:, None])  # [D in, D out]
@@ -203,6 +205,7 @@ if triton is not None:
 
 def _fake(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
           recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
+    check_q(state_slots.shape[1], "kimi_kernels::kda_decode")
     return g2.new_empty(g2.shape)
 
 
@@ -212,6 +215,7 @@ def kda_decode(
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor, recurrent_state: Tensor,
     state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
 ) -> Tensor:
+    check_q(state_slots.shape[1], "kimi_kernels::kda_decode")  # the kernel pads the q tokens' gate rows to 16
     H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
     use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(
         conv_weight.shape[-1], D)

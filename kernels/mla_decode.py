@@ -50,6 +50,7 @@ from torch import Tensor
 from kimi_inductor.stock import dcp
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.mla import write_cache
+from kimi_inductor.stock.state import tokens_per_request
 
 from .common import INTERPRET, SMS, bf16_round, tl, triton
 from . import dsa_index
@@ -187,12 +188,14 @@ def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode")
     return ql_nope.new_empty(ql_nope.shape)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::mla_decode", mutates_args=("kv_cache",))
 def mla_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                block_table: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode")
     if not _use_triton(ql_nope, q_pe):
         return reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
@@ -214,7 +217,7 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     (``benchmarks/mla_kernel.py``)."""
     T, N, L = ql_nope.shape
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
-    Q = T // R
+    Q = tokens_per_request(T, R, "kimi_kernels MLA attention")
     bm = bm or row_block(Q * N)
     # fp32 activations double the tiles' shared memory: 32 positions per step then
     bs = bs or (min(32, tiles(bm)[0]) if ql_nope.dtype == torch.float32 else tiles(bm)[0])
@@ -248,6 +251,7 @@ mla_decode.register_fake(_fake)
 def _dcp_fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
               dcp_size, scale):
     T, N, L = ql_nope.shape
+    tokens_per_request(T, block_table.shape[0], "kimi_kernels::mla_decode_dcp")
     return ql_nope.new_empty(T, N, L, dtype=torch.float32), ql_nope.new_empty(T, N, dtype=torch.float32)
 
 
@@ -257,6 +261,7 @@ def mla_decode_dcp(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv
                    dcp_rank: int, dcp_size: int, scale: float) -> tuple[Tensor, Tensor]:
     """DCP partials (stock ``kimi::mla_decode_dcp``): all gathered heads over this rank's
     positions (and, for DSA, only the ``selected`` ones) -> fp32 output and LSE."""
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode_dcp")
     args = (ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
             dcp_size, scale)
     if not _use_triton(ql_nope, q_pe):
@@ -272,6 +277,7 @@ mla_decode_dcp.register_fake(_dcp_fake)
 
 def _dsa_fake(ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, index_cache, slot_mapping,
               block_table, seq_lens, topk, scale):
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::dsa_decode")
     return ql_nope.new_empty(ql_nope.shape)
 
 
@@ -282,6 +288,7 @@ def dsa_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, index_
     """DSA's core (stock ``kimi::dsa_decode``): both cache writes, the indexer's top-k
     (``dsa_select``), then this kernel over the listed positions the request's queries
     selected (each query row masked to its own selection)."""
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::dsa_decode")
     args = (ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, index_cache, slot_mapping,
             block_table, seq_lens, topk, scale)
     if not _use_triton(ql_nope, q_pe):

@@ -21,4 +21,8 @@ def __getattr__(name: str):
         from .vllm_glue import KimiInductorPass
 
         return KimiInductorPass
+    if name == "MatchError":  # strict=True: a layer was not rewritten (a ValueError)
+        from .backend import MatchError
+
+        return MatchError
     raise AttributeError(f"module 'kimi_inductor' has no attribute {name!r}")

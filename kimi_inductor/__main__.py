@@ -8,46 +8,97 @@ import sys
 import warnings
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kimi_inductor")
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse type: an int in low..high, refused up front otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+POSITIVE, COUNT, Q = _int_at_least(1), _int_at_least(0), _int_at_least(1, 8)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help line ends with its default (unless there is none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = _Help
+    parser = argparse.ArgumentParser(prog="python -m kimi_inductor", formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="the tiny stock decoder on CPU ranks, compiled by kimi_specialized, "
-                                    "checked against stock")
-    d.add_argument("--preset", default="tiny", choices=["tiny", "tiny-k3.1"])
-    d.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo), the TP group size G")
-    d.add_argument("--q", type=int, default=4, help="tokens per request (1 + speculative tokens)")
-    d.add_argument("--steps", type=int, default=8)
-    d.add_argument("--requests", type=int, default=3)
-    d.add_argument("--padding", type=int, default=1, help="padding requests (CUDA-graph padding rows)")
-    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    d.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
-    d.add_argument("--dcp", type=int, default=1, help="decode context parallel size: 1 or --ranks")
+    d = sub.add_parser("demo", formatter_class=fmt,
+                       help="the tiny stock decoder on CPU ranks, compiled by kimi_specialized, checked against stock",
+                       description="Decode a random tiny Kimi K3 checkpoint on CPU ranks (gloo) with the stock "
+                                   "decoder and with kimi_specialized, and check that they agree (progress on "
+                                   "stderr, the result on stdout).")
+    d.add_argument("--preset", default="tiny", choices=["tiny", "tiny-k3.1"], help="model preset")
+    d.add_argument("--ranks", type=POSITIVE, default=2, help="CPU ranks (gloo), the TP group size G")
+    d.add_argument("--q", type=Q, default=4, help="tokens per request (1 + speculative tokens), 1..8")
+    d.add_argument("--steps", type=POSITIVE, default=8, help="decode steps")
+    d.add_argument("--requests", type=POSITIVE, default=3, help="live requests")
+    d.add_argument("--padding", type=COUNT, default=1, help="padding requests (CUDA-graph padding)")
+    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
+    d.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
+                   help="after our passes: run the graph as is, or generate code with Inductor")
+    d.add_argument("--dcp", type=POSITIVE, default=1, help="decode context parallel size: 1 or --ranks")
     d.add_argument("--json", dest="json_path", help="write the result as JSON here")
+    d.set_defaults(subparser=d)
 
-    e = sub.add_parser("explain", help="compile (never run) a preset's decode step and print the match report")
-    e.add_argument("--preset", default="tiny", choices=["tiny", "tiny-k3.1", "kimi-k3", "kimi-k3.1"])
-    e.add_argument("--layout", default="sp", choices=["sp", "tp"])
-    e.add_argument("--ranks", type=int, default=4)
-    e.add_argument("--q", type=int, default=1)
-    e.add_argument("--requests", type=int, default=8)
-    e.add_argument("--layer", type=int, help="also print this layer's region before the passes and after each")
-    e.add_argument("--part", default="attention", choices=["attention", "mlp"])
-    e.add_argument("--json", dest="json_path")
+    e = sub.add_parser("explain", formatter_class=fmt,
+                       help="compile (never run) a preset's decode step and print the match report",
+                       description="Compile one decode step of a preset on the meta device with a fake process "
+                                   "group (nothing runs, any preset fits) and print kimi_specialized's match report "
+                                   "(progress on stderr).")
+    e.add_argument("--preset", default="tiny", choices=["tiny", "tiny-k3.1", "kimi-k3", "kimi-k3.1"],
+                   help="model preset")
+    e.add_argument("--layout", default="sp", choices=["sp", "tp"], help="the stock decoder's layout")
+    e.add_argument("--ranks", type=POSITIVE, default=4, help="TP group size G (a fake process group)")
+    e.add_argument("--q", type=Q, default=1, help="tokens per request (1 + speculative tokens), 1..8")
+    e.add_argument("--requests", type=POSITIVE, default=8, help="requests in the step")
+    e.add_argument("--layer", type=COUNT, help="also print this layer's region before the passes and after each")
+    e.add_argument("--part", default="attention", choices=["attention", "mlp"], help="the region --layer prints")
+    e.add_argument("--json", dest="json_path", help="write the report as JSON here")
+    e.set_defaults(subparser=e)
 
-    b = sub.add_parser("bench", help="run the GPU benchmarks (benchmarks/), write JSON and a plot")
+    b = sub.add_parser("bench", formatter_class=fmt,
+                       help="run the GPU benchmarks (benchmarks/), write JSON and a plot")
     b.add_argument("--out", default="bench-results", help="folder for the JSON files and the plot")
     b.add_argument("--only", nargs="+", help="a subset of the suite (kimi_inductor/bench.py SUITE), e.g. "
                                              "kda_layer_q1 moe_layer mla_layer dcp_mla")
     b.add_argument("--smoke", action="store_true", help="CPU smoke run of the KDA layer benchmark")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.dcp not in (1, args.ranks):
+        args.subparser.error(f"argument --dcp: must be 1 or --ranks ({args.ranks}), got {args.dcp}")
+    if args.command == "explain" and args.layer is not None:
+        from .stock import KimiK3Config
+
+        layers = KimiK3Config.preset(args.preset).num_hidden_layers
+        if args.layer >= layers:
+            args.subparser.error(f"argument --layer: the {args.preset} preset has layers 0..{layers - 1}, got {args.layer}")
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.command == "demo":
         from .demo import demo, format_demo
 
         result = demo(args.preset, args.ranks, args.q, args.steps, args.requests, args.padding, args.dtype,
-                      args.compiler, args.dcp, args.json_path)
+                      args.compiler, args.dcp, args.json_path, progress=True)
         print(format_demo(result))
         return 0 if result["agree"] else 1
 
@@ -59,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from .explain import explain
+    from .harness import progress
 
     report, regions = explain(args.preset, args.layout, args.ranks, args.q, args.requests,
-                              layer=args.layer, part=args.part)
+                              layer=args.layer, part=args.part, progress=progress)
     print(report.format())
     for stage, text in regions.items():
         print(f"\nlayer {args.layer} {args.part}, {'before the passes' if stage == 'before' else 'after ' + stage}:"

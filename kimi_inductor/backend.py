@@ -11,10 +11,18 @@ A graph is compiled by Inductor with our passes as its post-grad custom pass
 (``passes.manager.KimiPasses``); ``compiler="eager"`` runs the same post-grad
 pipeline and then executes the rewritten graph as is (no code generation). A graph
 that holds no Kimi K3 decoder passes through the same compiler unchanged.
+
+Options are validated when ``torch.compile`` is called (a ``ValueError`` naming the
+key), not when the first frame compiles: importing this module (which resolving the
+backend's name does) wraps ``torch._dynamo.eval_frame.get_compiler_fn`` so that it
+checks a ``kimi_specialized`` backend's options before Dynamo wraps the model.
+``strict=True`` raises ``MatchError`` (``from kimi_inductor import MatchError``) through
+``torch.compile`` as itself, not wrapped in Dynamo's ``BackendCompilerFailed``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -22,10 +30,32 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx
+from torch._dynamo.exc import ShortenTraceback
 
 from .config import Options
-from .passes.manager import KimiPasses, Observer
+from .passes.manager import KimiPasses, MatchError, Observer  # MatchError: also kimi_inductor.MatchError
 from .passes.report import MatchReport
+
+
+class StrictMatchError(MatchError, ShortenTraceback):
+    """The ``MatchError`` (a ``ValueError``) the backend raises under ``strict=True``.
+
+    Dynamo re-raises its ``ShortenTraceback`` errors as they are instead of wrapping them
+    in ``BackendCompilerFailed``, so ``except MatchError`` around the compiled call works."""
+
+    def __init__(self, message: str):
+        ShortenTraceback.__init__(self, message, first_useful_frame=None)
+
+
+def _match_error(err: BaseException) -> MatchError | None:
+    """The passes' MatchError behind ``err`` (Inductor may wrap what a post-grad pass raises)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, MatchError):
+            return err
+        seen.add(id(err))
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+    return None
 
 
 class KimiSpecialized:
@@ -51,10 +81,16 @@ class KimiSpecialized:
         passes = KimiPasses(self.options, report, self.observer)
         key = _report_key(gm, example_inputs, passes)
         patches = {"post_grad_custom_post_pass": passes}
-        if self.options.compiler == "eager":
-            compiled = compile_fx(gm, example_inputs, inner_compile=_eager_inner, config_patches=patches)
-        else:
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        try:
+            if self.options.compiler == "eager":
+                compiled = compile_fx(gm, example_inputs, inner_compile=_eager_inner, config_patches=patches)
+            else:
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        except Exception as err:
+            found = _match_error(err)
+            if found is None or isinstance(err, StrictMatchError):
+                raise
+            raise StrictMatchError(str(found)) from None
         if report.passes:
             _store_report(key, report)
         else:  # Inductor's FX graph cache returned the graph: the passes did not run
@@ -114,6 +150,35 @@ def kimi_specialized(gm: fx.GraphModule, example_inputs: list, options: Mapping[
     if options is None:
         options = _vllm_options()
     return KimiSpecialized.for_options(options)(gm, example_inputs)
+
+
+def _validate_options_at_torch_compile() -> None:
+    """Make ``torch.compile(m, backend="kimi_specialized", options=...)`` itself refuse bad
+    options. torch.compile keeps a named backend's options in a ``_TorchCompileWrapper``
+    and passes it to ``torch._dynamo.optimize``, which resolves it with
+    ``eval_frame.get_compiler_fn``; this module is imported while the wrapper looks the
+    name up, i.e. before that call, so wrapping it covers the first torch.compile too.
+    Without the hook (a torch without that function) options are checked at the first
+    call, as before."""
+    from torch._dynamo import eval_frame
+
+    original = getattr(eval_frame, "get_compiler_fn", None)
+    if original is None or getattr(original, "_kimi_validates_options", False):
+        return
+
+    @functools.wraps(original)
+    def get_compiler_fn(compiler_fn):
+        if getattr(compiler_fn, "compiler_fn", None) is kimi_specialized or \
+                getattr(compiler_fn, "compiler_name", None) == "kimi_specialized":
+            kwargs = getattr(compiler_fn, "kwargs", None)
+            Options.from_mapping(kwargs.get("options") if isinstance(kwargs, dict) else None)
+        return original(compiler_fn)
+
+    get_compiler_fn._kimi_validates_options = True
+    eval_frame.get_compiler_fn = get_compiler_fn
+
+
+_validate_options_at_torch_compile()
 
 
 def _vllm_options() -> Options | None:

@@ -8,8 +8,10 @@
         "compiler": "inductor",                  # or "eager": no code generation
     })
 
-Everything is validated here, with the offending key named; the options are one
-frozen dataclass passed down to every pass.
+Everything is validated here, with the offending key named (types too: ``strict``
+is a bool, counts are ints, lists are lists), and ``torch.compile`` itself raises the
+``ValueError`` (backend.py); the options are one frozen dataclass passed down to every
+pass.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .passes.pipeline import PASS_ORDER  # the pass registry
 COMPILERS = ("inductor", "eager")
+
+
+def _int(value: Any, key: str) -> int:
+    """An int option (bool and float are refused: ``True`` and ``4.0`` are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an int, got {type(value).__name__} {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -31,12 +41,28 @@ class DecodeSettings:
     capture_sizes: tuple[int, ...] = ()  # batch rows T to rewrite (empty: every T)
 
     def __post_init__(self) -> None:
-        if self.tp is not None and self.tp not in (1, 2, 4, 8, 16):
+        if self.tp is not None and _int(self.tp, "decode.tp") not in (1, 2, 4, 8, 16):
             raise ValueError(f"decode.tp must be one of 1, 2, 4, 8, 16, got {self.tp}")
-        if self.q is not None and not 1 <= self.q <= 8:
+        if self.q is not None and not 1 <= _int(self.q, "decode.q") <= 8:
             raise ValueError(f"decode.q (1 + speculative tokens) must be in 1..8, got {self.q}")
-        if self.dcp != 1 and self.dcp != self.tp:
+        if _int(self.dcp, "decode.dcp") != 1 and self.dcp != self.tp:
             raise ValueError(f"decode.dcp must be 1 or equal to decode.tp, got dcp={self.dcp} tp={self.tp}")
+        object.__setattr__(self, "capture_sizes", _sequence(self.capture_sizes, "decode.capture_sizes", "[8, 16]"))
+        for size in self.capture_sizes:
+            if _int(size, "decode.capture_sizes entries") < 1:
+                raise ValueError(f"decode.capture_sizes entries must be positive row counts, got {size}")
+
+    @classmethod
+    def from_mapping(cls, decode: "DecodeSettings | Mapping[str, Any]") -> "DecodeSettings":
+        if isinstance(decode, DecodeSettings):
+            return decode
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(decode, Mapping):
+            raise ValueError(f"decode must be a dict with keys {fields}, got {type(decode).__name__} {decode!r}")
+        bad = set(decode) - set(fields)
+        if bad:
+            raise ValueError(f"unknown decode settings {sorted(bad)}; expected {fields}")
+        return cls(**decode)
 
 
 @dataclass(frozen=True)
@@ -47,9 +73,19 @@ class Options:
     compiler: str = "inductor"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "passes", _sequence(self.passes, "passes", "['mega_moe']"))
+        if not all(isinstance(p, str) for p in self.passes):
+            raise ValueError(f"passes must be a list of pass names, got {self.passes!r}")
         unknown = [p for p in self.passes if p not in PASS_ORDER]
         if unknown:
             raise ValueError(f"unknown passes {unknown}; available: {list(PASS_ORDER)}")
+        repeated = sorted({p for p in self.passes if self.passes.count(p) > 1})
+        if repeated:
+            raise ValueError(f"passes lists {repeated} more than once; each pass runs at most once")
+        if not isinstance(self.decode, DecodeSettings):
+            raise ValueError(f"decode must be a DecodeSettings or a dict, got {type(self.decode).__name__}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict must be True or False, got {type(self.strict).__name__} {self.strict!r}")
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
 
@@ -59,24 +95,30 @@ class Options:
             return cls()
         if isinstance(options, Options):
             return options
-        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(options, Mapping):
+            raise ValueError(f"kimi_specialized options must be a dict with keys {fields}, got "
+                             f"{type(options).__name__} {options!r}")
+        unknown = set(options) - set(fields)
         if unknown:
-            raise ValueError(f"unknown kimi_specialized options {sorted(unknown)}; "
-                             f"expected {[f.name for f in dataclasses.fields(cls)]}")
+            raise ValueError(f"unknown kimi_specialized options {sorted(unknown)}; expected {fields}")
         kwargs = dict(options)
         if "passes" in kwargs:
-            kwargs["passes"] = tuple(sorted(kwargs["passes"], key=_pass_rank))
-        if "decode" in kwargs and not isinstance(kwargs["decode"], DecodeSettings):
-            decode = dict(kwargs["decode"])
-            bad = set(decode) - {f.name for f in dataclasses.fields(DecodeSettings)}
-            if bad:
-                raise ValueError(f"unknown decode settings {sorted(bad)}")
-            decode["capture_sizes"] = tuple(decode.get("capture_sizes", ()))
-            kwargs["decode"] = DecodeSettings(**decode)
+            passes = _sequence(kwargs["passes"], "passes", "['mega_moe']")
+            kwargs["passes"] = tuple(sorted(passes, key=lambda p: _pass_rank(p) if isinstance(p, str) else -1))
+        if "decode" in kwargs:
+            kwargs["decode"] = DecodeSettings.from_mapping(kwargs["decode"])
         return cls(**kwargs)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _sequence(value: Any, key: str, example: str) -> tuple:
+    """A list option as a tuple; a string is refused (``"mega_moe"`` is not ``["mega_moe"]``)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{key} must be a list, e.g. {example}, got {type(value).__name__} {value!r}")
+    return tuple(value)
 
 
 def _pass_rank(name: str) -> int:

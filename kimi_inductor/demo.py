@@ -17,22 +17,28 @@ import dataclasses
 import json
 from typing import Any
 
-from .harness import DecodeRun, decode_many
+from .harness import DecodeRun, decode_many, progress as say
 from .launch import run_ranks
 from .passes.report import LayerReport
 
 
 def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, requests: int = 3, padding: int = 1,
-         dtype: str = "bfloat16", compiler: str = "eager", dcp: int = 1, json_path: str | None = None) -> dict[str, Any]:
+         dtype: str = "bfloat16", compiler: str = "eager", dcp: int = 1, json_path: str | None = None,
+         progress: bool = False) -> dict[str, Any]:
+    """``progress``: rank 0 prints each run's steps (and the compile) on stderr."""
     stock = DecodeRun(preset=preset, layout="sp", q=q, steps=steps, requests=requests, padding=padding,
-                      dtype=dtype, dcp=dcp, layer_timings=True)
+                      dtype=dtype, dcp=dcp, layer_timings=True, progress=f"stock SP {dtype}" if progress else "")
     compiled = dataclasses.replace(stock, layer_timings=False, backend="kimi_specialized",
-                                   options={"compiler": compiler})
+                                   options={"compiler": compiler}, progress="kimi_specialized" if progress else "")
     rows = (requests + padding) * q
     bitwise = dtype == "bfloat16" and (ranks <= 2 or rows % ranks == 0)
     runs = [stock, compiled]
     if dtype == "bfloat16" and not bitwise:
-        runs.append(dataclasses.replace(stock, dtype="float32", layer_timings=False))
+        runs.append(dataclasses.replace(stock, dtype="float32", layer_timings=False,
+                                        progress="stock SP float32 (the bf16 band's reference)" if progress else ""))
+    if progress:
+        say(f"demo: {len(runs)} runs of {steps} steps ({rows} rows) on {ranks} CPU rank{'s' if ranks > 1 else ''}"
+            f"{' (spawning gloo processes)' if ranks > 1 else ''}")
     results = run_ranks(decode_many, ranks, runs) if ranks > 1 else [decode_many(runs)]
     ref, out = results[0][0], results[0][1]
     diff = float((out["outputs"] - ref["outputs"]).abs().max())

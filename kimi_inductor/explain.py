@@ -10,7 +10,8 @@ Inductor's no-op removal; the match and the report are the same.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,22 +30,36 @@ from .stock.batch import DecodeBatch
 
 def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1, requests: int = 8,
             rank: int = 0, layer: int | None = None, part: str = "attention",
-            options: dict[str, Any] | None = None) -> tuple[MatchReport, dict[str, str]]:
+            options: dict[str, Any] | None = None,
+            progress: Callable[[str], None] | None = None) -> tuple[MatchReport, dict[str, str]]:
     """(report, regions): ``layer``'s ``part`` as the passes found it (``"before"``) and
-    after each pass that ran (keyed by the pass name); empty without ``layer``."""
+    after each pass that ran (keyed by the pass name); empty without ``layer``.
+    ``progress`` gets a line per stage (model, capture, each pass)."""
+    say = progress or (lambda message: None)
     if dist.is_initialized():
         raise RuntimeError("explain uses its own fake process group; call it outside a distributed job")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
     try:
         config = KimiK3Config.preset(preset)
+        say(f"explain: the {preset} decoder ({config.num_hidden_layers} layers, {layout.upper()} layout) on the meta "
+            f"device, a fake process group of {ranks}, {requests} requests x q = {q}")
         model = KimiLinearForCausalLM(config, Parallel(layout, dist.group.WORLD if ranks > 1 else None),
                                       device="meta")
         batch = DecodeBatch(requests, q, 0, config.vocab_size, max_context=64)
         caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, q, device="meta")
         regions: dict[str, str] = {}
 
+        started = {"time": time.perf_counter()}
+
         def observe(stage: str, gm) -> None:
-            when, name = stage.split()
+            when, name = stage.split(maxsplit=1)
+            if when == "before":
+                if name == (Options.from_mapping(options).passes or ("",))[0]:
+                    say(f"captured in {time.perf_counter() - started['time']:.1f} s; running our passes")
+                started[name] = time.perf_counter()
+                say(f"pass {name} ...")
+            else:
+                say(f"pass {name} done ({time.perf_counter() - started[name]:.1f} s)")
             if layer is not None and (when == "after" or not regions):
                 regions["before" if when == "before" else name] = region_text(gm, layer, part)
 
@@ -61,8 +76,12 @@ def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1
             return lambda *args: tuple(torch.empty_like(o) for o in outs)
 
         torch._dynamo.reset()
+        say("capturing the step (Dynamo, then AOTAutograd; the longest part for the full presets) ...")
+        started["time"] = time.perf_counter()
         with torch.no_grad():
-            torch.compile(model, backend=compile_only, fullgraph=True, dynamic=False)(batch.step().to("meta"), caches)
+            step = model.validate_step(batch.step(), caches).to("meta")
+            torch.compile(model, backend=compile_only, fullgraph=True, dynamic=False)(step, caches)
+        say(f"done in {time.perf_counter() - started['time']:.1f} s")
         return report, regions
     finally:
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ output, so runs in different layouts, rank counts or compilers can be compared.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,12 +38,20 @@ class DecodeRun:
     dtype: str = "bfloat16"  # or "float32" (exact-equivalence checks)
     device: str = "cpu"  # "cuda": this rank's GPU (launch.run_ranks(..., backend="nccl"))
     layer_timings: bool = False
+    progress: str = ""  # a label: rank 0 prints each step (and the compile) on stderr; "": silent
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr (stdout keeps the result)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def decode(run: DecodeRun) -> dict[str, Any]:
     group = dist.group.WORLD if dist.is_initialized() else None
+    say = progress if run.progress and (group is None or dist.get_rank() == 0) else (lambda message: None)
     par = Parallel(run.layout, group, run.max_num_tokens, run.dcp)
     config = KimiK3Config.preset(run.preset)
+    say(f"{run.progress}: building the {run.preset} model ({run.layout.upper()} layout, {run.dtype})")
     device = torch.device(run.device, torch.cuda.current_device()) if run.device == "cuda" else run.device
     model = build_model(config, random_checkpoint(config, run.seed, run.experts), par, device=device,
                         dtype=getattr(torch, run.dtype))
@@ -58,11 +67,16 @@ def decode(run: DecodeRun) -> dict[str, Any]:
         step_fn = torch.compile(model, backend=run.backend, options=run.options or None, dynamic=False)
     outputs, seconds = [], []
     with torch.no_grad():
-        for _ in range(run.steps):
-            step = batch.step().to(device)
+        for i in range(run.steps):
+            step = model.validate_step(batch.step(), caches).to(device)
+            if i == 0 and run.backend is not None:
+                say(f"{run.progress}: compiling the decode step with {run.backend} (Dynamo, AOTAutograd, our passes"
+                    f"{', Inductor' if (run.options or {}).get('compiler', 'inductor') == 'inductor' else ''}) "
+                    "and running step 1 ...")
             start = time.perf_counter()
             out = step_fn(step, caches)
             seconds.append(time.perf_counter() - start)
+            say(f"{run.progress}: step {i + 1}/{run.steps} done ({1e3 * seconds[-1]:.0f} ms)")
             outputs.append(out[batch.real_rows().to(device)].float().cpu())
             batch.accept()
     result = {"outputs": torch.stack(outputs), "seconds": seconds, "rows": batch.rows,

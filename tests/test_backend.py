@@ -82,10 +82,48 @@ def test_a_model_that_is_not_kimi_passes_through_unchanged(width):
     ({"decode": {"tp": 3}}, "decode.tp must be one of"),
     ({"decode": {"tp": 4, "dcp": 2}}, "decode.dcp must be 1 or equal to decode.tp"),
     ({"decode": {"batch": 2}}, "unknown decode settings"),
+    ({"strict": "no"}, "strict must be True or False, got str 'no'"),
+    ({"strict": 0}, "strict must be True or False, got int 0"),
+    ({"decode": {"q": 4.0}}, "decode.q must be an int, got float 4.0"),
+    ({"decode": {"q": True}}, "decode.q must be an int, got bool True"),
+    ({"decode": {"tp": 2.0}}, "decode.tp must be an int, got float"),
+    ({"decode": {"capture_sizes": ["8"]}}, "decode.capture_sizes entries must be an int, got str '8'"),
+    ({"decode": {"capture_sizes": 8}}, r"decode.capture_sizes must be a list, e.g. \[8, 16\], got int 8"),
+    ({"decode": {"capture_sizes": [0]}}, "decode.capture_sizes entries must be positive"),
+    ({"passes": ["mega_moe", "mega_moe"]}, r"passes lists \['mega_moe'\] more than once"),
+    ({"passes": "mega_moe"}, r"passes must be a list, e.g. \['mega_moe'\], got str 'mega_moe'"),
+    ({"passes": [1]}, "passes must be a list of pass names"),
+    ({"decode": 8}, r"decode must be a dict with keys \['tp', 'q', 'dcp', 'capture_sizes'\], got int 8"),
+    ("strict", "kimi_specialized options must be a dict"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message):
         Options.from_mapping(options)
+    with pytest.raises(ValueError, match=message):  # the backend object validates on construction
+        KimiSpecialized(options)
+
+
+def test_torch_compile_refuses_bad_options_before_the_first_call():
+    """In a fresh process (the entry point, no import of ours), ``torch.compile`` itself
+    raises the ValueError, not the first call (as a BackendCompilerFailed)."""
+    proc = run_fresh("""
+        import torch
+        m = torch.nn.Linear(2, 2)
+        for bad in ({"strict": "no"}, {"decode": {"q": 4.0}}, {"passes": "mega_moe"}, {"decode": 8}):
+            for fullgraph in (False, True):
+                try:
+                    torch.compile(m, backend="kimi_specialized", options=bad, fullgraph=fullgraph)
+                except ValueError as err:
+                    print("refused:", err)
+                else:
+                    raise SystemExit(f"accepted {bad}")
+        compiled = torch.compile(m, backend="kimi_specialized", options={"compiler": "eager", "strict": False})
+        assert torch.allclose(compiled(torch.ones(1, 2)), m(torch.ones(1, 2)))
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-3000:]
+    assert "refused: strict must be True or False, got str 'no'" in proc.stdout
+    assert "refused: passes must be a list, e.g. ['mega_moe'], got str 'mega_moe'" in proc.stdout
 
 
 def test_pass_uuid_covers_options():
@@ -105,9 +143,12 @@ def test_tp_layout_is_left_stock_and_reported(fake_world):
 
 
 def test_strict_mode_raises_on_a_layer_it_cannot_rewrite(fake_world):
-    with pytest.raises(Exception, match="strict") as err:
+    """``MatchError`` comes through torch.compile as itself (not a BackendCompilerFailed),
+    importable as docs/passes.md says, and is a ValueError."""
+    with pytest.raises(kimi_inductor.MatchError, match="strict") as err:
         compile_tiny(layout="tp", group=fake_world(2), options={"strict": True})
-    assert isinstance(err.value, MatchError) or "MatchError" in str(err.value)
+    assert isinstance(err.value, MatchError) and isinstance(err.value, ValueError)
+    assert not isinstance(err.value, torch._dynamo.exc.BackendCompilerFailed)
 
 
 @pytest.mark.parametrize("decode, reason", [

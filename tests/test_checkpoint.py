@@ -1,5 +1,6 @@
 """Checkpoints: real tensor names, save/load, MXFP4 experts, per-rank sharding."""
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -56,3 +57,74 @@ def test_rank_weights_for_one_rank_match_the_checkpoint():
     assert torch.equal(attn.A_log, t["model.layers.0.self_attn.A_log"][:8])
     mla = m.model.layers[3].self_attn.fused_qkv_a_g_proj.weight
     assert mla.shape == (48 + 40 + 128, 128)
+
+
+def test_expected_tensors_are_the_ones_random_checkpoint_writes():
+    from kimi_inductor.stock.checkpoint import expected_tensors
+
+    for preset in ("tiny", "tiny-k3.1"):
+        c = KimiK3Config.preset(preset)
+        names, experts = expected_tensors(c)
+        assert set(random_checkpoint(c).keys()) == set(names) | {p + "weight" for p in experts}
+        assert set(random_checkpoint(c, experts="mxfp4").keys()) == \
+            set(names) | {p + s for p in experts for s in ("weight_packed", "weight_scale")}
+
+
+def _write(path, config: dict, shards: list[dict]):
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    for i, shard in enumerate(shards):
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(path / f"model-{i:05d}.safetensors"))
+
+
+def _drop(t, name):
+    return {k: v for k, v in t.items() if k != name}
+
+
+E7 = "model.layers.1.block_sparse_moe.experts.7.w2.weight"
+STRICT_CASES = {
+    "duplicate": (lambda c, t: (c, [t, {"model.norm.weight": t["model.norm.weight"]}]),
+                  r"tensor model.norm.weight is in the checkpoint twice: model.norm.weight in model-00000"),
+    "unknown": (lambda c, t: (c, [{**t, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}]),
+                r"1 tensors the Kimi K3 decoder does not use, e.g. \['model.layers.0.self_attn.rotary_emb.inv_freq'\]"),
+    "int32": (lambda c, t: (c, [{**t, "model.norm.weight": t["model.norm.weight"].int()}]),
+              "tensor model.norm.weight has dtype torch.int32; weights are floating point"),
+    "bool": (lambda c, t: (c, [{**t, "lm_head.weight": t["lm_head.weight"] > 0}]),
+             "tensor lm_head.weight has dtype torch.bool"),
+    "fewer_layers_in_config": (lambda c, t: ({**c, "num_hidden_layers": 8}, [t]),
+                               "config num_hidden_layers = 8 but the checkpoint has tensors of layer 8"),
+    "more_layers_in_config": (lambda c, t: ({**c, "num_hidden_layers": 10}, [t]),
+                              "config num_hidden_layers = 10 but the checkpoint's tensors stop at layer 8"),
+    "output_gate": (lambda c, t: ({**c, "mla_use_output_gate": False}, [t]),
+                    "config mla_use_output_gate = False: .* supports only mla_use_output_gate = true"),
+    "moe_norm": (lambda c, t: ({**c, "latent_moe_use_norm": False}, [t]), "config latent_moe_use_norm = False"),
+    "tied": (lambda c, t: ({**c, "tie_word_embeddings": True}, [t]), "config tie_word_embeddings = True"),
+    "eps_zero": (lambda c, t: ({**c, "rms_norm_eps": 0.0}, [t]), r"config rms_norm_eps must be a number in \(0, 1\)"),
+    "eps_negative": (lambda c, t: ({**c, "rms_norm_eps": -1e-5}, [t]), "config rms_norm_eps must be"),
+    "missing_expert": (lambda c, t: (c, [_drop(t, E7)]),
+                       rf"lacks 1 tensors, e.g. \['{E7} \(or .*w2.weight_packed \+ weight_scale\)'\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRICT_CASES))
+def test_loading_is_strict(tmp_path, case):
+    """Each way a checkpoint used to load wrongly or crash obscurely is a ValueError
+    naming the tensor or config field."""
+    c = KimiK3Config.preset("tiny")
+    t = random_checkpoint(c, seed=2)
+    make, message = STRICT_CASES[case]
+    config, shards = make(c.to_hf(), t)
+    _write(tmp_path / "ckpt", config, shards)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_build_model_is_strict_too():
+    c = KimiK3Config.preset("tiny")
+    t = random_checkpoint(c, seed=2)
+    with pytest.raises(ValueError, match="tensor model.norm.weight has dtype torch.int32"):
+        build_model(c, {**t, "model.norm.weight": t["model.norm.weight"].int()})
+    with pytest.raises(ValueError, match=E7):
+        build_model(c, _drop(t, E7))

@@ -63,3 +63,87 @@ def test_runs_without_triton():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           cwd=str(Path(__file__).parent))
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def _run(args, cwd, **env):
+    import os
+
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=str(cwd),
+                          env={**os.environ, **env})
+
+
+def test_torch_logs_kimi_graphs_in_user_code(tmp_path):
+    """TORCH_LOGS=kimi_graphs (docs/passes.md) used to crash every process at ``import
+    torch`` (torch parses it before we can register the name)."""
+    proc = _run(["-c", "import torch; print('ok')"], tmp_path, TORCH_LOGS="kimi_graphs")
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    code = ("import torch\n"
+            "from kimi_inductor.backend import KimiSpecialized\n"
+            "m = torch.nn.Linear(4, 4)\n"
+            "torch.compile(m, backend=KimiSpecialized({'compiler': 'eager'}))(torch.randn(2, 4))\n")
+    proc = _run(["-c", code], tmp_path, TORCH_LOGS="kimi_graphs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kimi_inductor graph 0 before hybrid_attention" in proc.stderr
+    assert "kimi_inductor graph 0 after lower_kernels" in proc.stderr and "aten.addmm" in proc.stderr
+    quiet = _run(["-c", "import logging; logging.basicConfig(level=logging.DEBUG)\n" + code], tmp_path)
+    assert quiet.returncode == 0 and "kimi_inductor graph" not in quiet.stderr  # only when asked for
+
+
+def test_explain_prints_progress_and_torch_logs_kimi_graphs_works_with_python_m(tmp_path):
+    proc = _run(["-m", "kimi_inductor", "explain", "--preset", "tiny", "--ranks", "2", "--requests", "2"],
+                tmp_path, TORCH_LOGS="kimi_graphs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "graph 0: Kimi K3 decoder layout=sp -> hybrid rows=2 G=2" in proc.stdout
+    for line in ("explain: the tiny decoder (9 layers, SP layout)", "capturing the step", "pass hybrid_attention ...",
+                 "pass lower_kernels done", "kimi_inductor graph 0 before mega_moe"):
+        assert line in proc.stderr, line
+
+
+def test_demo_prints_progress(capsys):
+    from kimi_inductor.__main__ import main
+
+    assert main(["demo", "--ranks", "1", "--steps", "2", "--requests", "1", "--padding", "0", "--q", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "AGREE" in out and "step 1/2" not in out
+    for line in ("demo: 2 runs of 2 steps (1 rows) on 1 CPU rank", "stock SP bfloat16: building the tiny model",
+                 "stock SP bfloat16: step 2/2 done", "kimi_specialized: compiling the decode step",
+                 "kimi_specialized: step 1/2 done", "kimi_specialized: step 2/2 done"):
+        assert line in err, line
+
+
+def test_help_shows_a_line_and_the_default_per_flag():
+    from kimi_inductor.__main__ import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        flags = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+        assert flags and all(a.help for a in flags), name
+        text = sub.format_help()
+        for a in flags:
+            if a.default not in (None, False):
+                assert f"(default: {a.default})" in " ".join(text.split()), (name, a.dest)
+    assert "(default: 2)" in subparsers.choices["demo"].format_help()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
+    (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["demo", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
+    (["demo", "--padding", "-1"], "argument --padding: must be >= 0, got -1"),
+    (["demo", "--q", "9"], r"argument --q: must be in 1..8, got 9"),
+    (["demo", "--ranks", "two"], "argument --ranks: expected an integer, got 'two'"),
+    (["demo", "--ranks", "2", "--dcp", "4"], r"argument --dcp: must be 1 or --ranks \(2\), got 4"),
+    (["explain", "--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
+    (["explain", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
+    (["explain", "--preset", "tiny", "--layer", "9"], "argument --layer: the tiny preset has layers 0..8, got 9"),
+])
+def test_bad_values_are_refused_up_front(argv, message, capsys):
+    import re
+
+    from kimi_inductor.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -286,3 +286,61 @@ def test_mxfp4_round_trip():
     group_max = w.float().abs().view(8, 2, 32).amax(-1).repeat_interleave(32, 1)
     # scale 2^e <= amax / 3 and E2M1 steps are at most 2: error <= one scale unit
     assert ((back - w.float()).abs() <= group_max / 3 + 1e-6).all()
+
+
+# ---------------------------------------------------------------- q bounds
+def _q_cases(q, R=2, H=2, D=8, N=2, L=16, Rd=4, block=4, nb=6, n_idx=3, d_idx=8):
+    """(op name, call) for every op that takes a step's q tokens per request."""
+    import kimi_inductor.kernels  # noqa: F401  (registers kimi_kernels::)
+
+    T, P = R * q, H * D
+    x = kda_inputs(T, H, D)
+    kda = (x["mixed_qkv"], x["g1"], x["g2"], x["beta"], x["conv_weight"], x["A_log"], x["dt_bias"],
+           x["norm_weight"], rand(1 + T, 2 + q, 3 * P), rand(1 + T, H, D, D, dtype=torch.float32),
+           (1 + torch.arange(T)).view(R, q).int(), torch.ones(R, dtype=torch.int32), -5.0, 1e-5)
+    kernel_kda = (kda[0], rand(T, D), rand(P, D)) + kda[2:]  # f_a, f_b_proj weight instead of g1
+    table = (1 + torch.arange(R * nb)).view(R, nb).int()
+    seq_lens = torch.full((R,), q, dtype=torch.int32)
+    slots = (table[:, :1].long() * block + torch.arange(q)).view(-1) if q else torch.zeros(0, dtype=torch.int64)
+    cache, index_cache = rand(1 + R * nb, block, L + Rd), rand(1 + R * nb, block, d_idx)
+    ql, qpe, kv_c, k_pe = rand(T, N, L), rand(T, N, Rd), rand(T, L), rand(T, Rd)
+    iq, ik, iw = rand(T, n_idx, d_idx), rand(T, d_idx), rand(T, n_idx, dtype=torch.float32)
+    mla = (ql, qpe, kv_c, k_pe, cache, slots, table, seq_lens, 0.2)
+    dcp = (ql, qpe, kv_c, k_pe, cache, slots, table, seq_lens, None, 0, 1, 0.2)
+    dsa = (ql, qpe, kv_c, k_pe, iq, ik, iw, cache, index_cache, slots, table, seq_lens, 4, 0.2)
+    ops = torch.ops
+    return [
+        ("kimi::kda_decode", lambda: ops.kimi.kda_decode(*kda)),
+        ("kimi_kernels::kda_decode", lambda: ops.kimi_kernels.kda_decode(*kernel_kda)),
+        ("kimi::mla_decode", lambda: ops.kimi.mla_decode(*mla)),
+        ("kimi_kernels::mla_decode", lambda: ops.kimi_kernels.mla_decode(*mla)),
+        ("kimi::mla_decode_dcp", lambda: ops.kimi.mla_decode_dcp(*dcp)),
+        ("kimi_kernels::mla_decode_dcp", lambda: ops.kimi_kernels.mla_decode_dcp(*dcp)),
+        ("kimi::dsa_decode", lambda: ops.kimi.dsa_decode(*dsa)),
+        ("kimi_kernels::dsa_decode", lambda: ops.kimi_kernels.dsa_decode(*dsa)),
+        ("kimi::dsa_index_dcp", lambda: ops.kimi.dsa_index_dcp(iq, ik, iw, index_cache, slots, table, seq_lens,
+                                                              0, 1)),
+        ("kimi_kernels::dsa_select", lambda: ops.kimi_kernels.dsa_select(iq, iw, index_cache, table, seq_lens, 4)),
+    ], (kda, cache, index_cache)
+
+
+@pytest.mark.parametrize("q", [0, 9, 16])
+def test_every_op_refuses_q_outside_1_to_8(q):
+    """q = 1 + speculative tokens is at most 8: the fused KDA kernel pads the gate rows
+    to 16 (tokens 16+ got a zero gate), so every op refuses more, eagerly and when
+    traced (fake tensors), before touching a cache."""
+    cases, (kda, cache, index_cache) = _q_cases(q)
+    before = [t.clone() for t in (kda[8], kda[9], cache, index_cache)]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=rf"{name}: q = {q} tokens per request is outside 1\.\.8"):
+            call()
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True), \
+                pytest.raises(ValueError, match=rf"{name}: q = {q}"):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(before, (kda[8], kda[9], cache, index_cache)))
+
+
+def test_ops_accept_q_8():
+    cases, _ = _q_cases(8)
+    for name, call in cases:
+        call()

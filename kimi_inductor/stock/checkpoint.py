@@ -7,6 +7,12 @@ prefix (the multimodal K3 checkpoint) is accepted on read. Routed experts are bf
 = even column) + ``.weight_scale`` (uint8 E8M0, one per 32 values: x 2^(s - 127)),
 dequantised to bf16 on load.
 
+Loading is strict (``check_tensors``): every tensor the config implies must be there
+once, in a floating dtype (MXFP4 ``weight_packed`` / ``weight_scale``: uint8), and
+nothing else (a multimodal checkpoint's tensors outside its ``language_model.`` and
+``lm_head.`` names, i.e. the vision tower, and MTP layers past ``num_hidden_layers``
+are skipped); the config's layer count must match the tensors'.
+
 ``rank_state_dict`` maps the global tensors to one rank's parameters for a layout,
 as vLLM's loaders do: column-parallel rows and row-parallel columns by TP rank,
 the KDA in-projection packed ``[q|k|v|g|f_a|b|pad]`` with f_a replicated and zero
@@ -17,6 +23,7 @@ pad rows, MLA ``[q_a|kv_a|gate shard]``, TP experts sliced along the FFN width
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -167,18 +174,112 @@ def _canonical(name: str) -> str:
 
 
 def load_checkpoint(path: str | Path) -> tuple[KimiK3Config, dict[str, Tensor]]:
-    """Read ``config.json`` and every ``*.safetensors`` file of a checkpoint folder."""
+    """Read ``config.json`` and every ``*.safetensors`` file of a checkpoint folder,
+    strictly (``check_tensors``; a tensor name in two shards is refused too)."""
     path = Path(path)
     config = KimiK3Config.from_hf(json.loads((path / "config.json").read_text()))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors files in {path}")
-    tensors = {}
+    tensors, origin = {}, {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                tensors[_canonical(name)] = fh.get_tensor(name)
+                key = _canonical(name)
+                if key in origin:
+                    raise ValueError(f"tensor {key} is in the checkpoint twice: {origin[key][1]} in {origin[key][0]} "
+                                     f"and {name} in {f.name}; remove one")
+                origin[key] = (f.name, name)
+                tensors[key] = fh.get_tensor(name)
+    if any(name.startswith("language_model.") for _, name in origin.values()):  # multimodal: drop the towers
+        tensors = {k: v for k, v in tensors.items() if k.startswith(("model.", "lm_head."))}
+    check_tensors(config, tensors)
     return config, tensors
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT_FORMS = (("weight",), ("weight_packed", "weight_scale"))  # bf16, or MXFP4 codes + E8M0 scales
+
+
+def expected_tensors(config: KimiK3Config) -> tuple[list[str], list[str]]:
+    """(names every checkpoint of ``config`` holds, routed-expert prefixes): each prefix
+    (``...experts.{e}.w1.``) takes ``weight`` or ``weight_packed`` + ``weight_scale``.
+    The names ``random_checkpoint`` writes (tests/test_checkpoint.py keeps them equal)."""
+    c, names, experts = config, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                                 "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"], []
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
+                                              "mlp_res_norm", "self_attention_res_proj", "mlp_res_proj")]
+        a = p + "self_attn."
+        if c.layer_kind(i) == "kda":
+            names += [a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "f_b_proj",
+                                                  "b_proj", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm", "o_proj")]
+            names += [a + "A_log", a + "dt_bias"]
+        else:
+            names += [a + n + ".weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                                  "kv_a_layernorm", "kv_b_proj", "g_proj", "o_proj")]
+            if c.layer_kind(i) == "dsa":
+                names += [a + "indexer." + n for n in ("wq_b.weight", "wk.weight", "weights_proj.weight",
+                                                       "k_norm.weight", "k_norm.bias")]
+        if c.is_moe_layer(i):
+            m = p + "block_sparse_moe."
+            names += [m + n for n in ("gate.weight", "gate.e_score_correction_bias", "routed_expert_down_proj.weight",
+                                      "routed_expert_norm.weight", "routed_expert_up_proj.weight",
+                                      "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                                      "shared_experts.down_proj.weight")]
+            experts += [f"{m}experts.{e}.{n}." for e in range(c.num_experts) for n in ("w1", "w3", "w2")]
+        else:
+            names += [p + "mlp." + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    return names, experts
+
+
+def check_tensors(config: KimiK3Config, tensors: Mapping[str, Tensor]) -> None:
+    """Refuse a checkpoint that does not match ``config`` exactly (``ValueError`` naming
+    the field or tensors): unsupported config flags, a layer count other than the
+    tensors', missing tensors (a routed expert's included), tensors the decoder does not
+    use, and integer / bool tensors where weights are floating point (they were cast)."""
+    config.validate()
+    n = config.num_hidden_layers
+    mtp = int(config.extra.get("num_nextn_predict_layers") or 0)  # MTP layers follow the decoder's; not loaded
+    layers: dict[int, str] = {}
+    for name in tensors:
+        found = _LAYER.match(name)
+        if found:
+            layers.setdefault(int(found.group(1)), name)
+    beyond = sorted(i for i in layers if i >= n + mtp)
+    if beyond:
+        raise ValueError(f"config num_hidden_layers = {n} but the checkpoint has tensors of layer {beyond[-1]} "
+                         f"(e.g. {layers[beyond[-1]]}): the config does not describe this checkpoint")
+    top = max((i for i in layers if i < n), default=-1)
+    if top < n - 1:
+        raise ValueError(f"config num_hidden_layers = {n} but the checkpoint's tensors stop at layer {top}: "
+                         "the config does not describe this checkpoint")
+    names, experts = expected_tensors(config)
+    known, missing = set(names), [k for k in names if k not in tensors]
+    for prefix in experts:
+        forms = [[prefix + s for s in form] for form in _EXPERT_FORMS]
+        known.update(k for form in forms for k in form)
+        given = [form for form in forms if any(k in tensors for k in form)]
+        if len(given) > 1:
+            raise ValueError(f"routed expert {prefix}* is given both as bf16 ({prefix}weight) and as MXFP4 "
+                             f"({prefix}weight_packed); keep one")
+        missing += [k for k in given[0] if k not in tensors] if given else \
+            [f"{prefix}weight (or {prefix}weight_packed + weight_scale)"]
+    unknown = sorted(k for k in tensors if k not in known and not
+                     (_LAYER.match(k) and int(_LAYER.match(k).group(1)) >= n))
+    if missing or unknown:
+        parts = [f"lacks {len(missing)} tensors, e.g. {missing[:3]}"] if missing else []
+        parts += [f"has {len(unknown)} tensors the Kimi K3 decoder does not use, e.g. {unknown[:3]}"] if unknown else []
+        raise ValueError(f"checkpoint does not match its config: it {'; it '.join(parts)}")
+    for name in sorted(known & tensors.keys()):
+        t = tensors[name]
+        if name.endswith(("weight_packed", "weight_scale")):
+            if t.dtype != torch.uint8:
+                raise ValueError(f"tensor {name} has dtype {t.dtype}; MXFP4 codes and scales are uint8")
+        elif not t.dtype.is_floating_point:
+            raise ValueError(f"tensor {name} has dtype {t.dtype}; weights are floating point (bf16 or fp32 as "
+                             "published), an integer or bool tensor would be cast silently")
 
 
 # ------------------------------------------------------------------- sharding
@@ -295,6 +396,7 @@ def build_model(config: KimiK3Config, tensors: Mapping[str, Tensor], par: Parall
     ``dtype`` is the activation dtype: bf16 as Kimi K3 is served, or fp32, which
     turns every bf16 rounding point into the identity (used to check that layouts
     and rewrites compute the same function; docs/testing.md)."""
+    check_tensors(config, tensors)
     model = KimiLinearForCausalLM(config, par, device="meta")
     params = dict(model.named_parameters())
     state = {k: v.to(device=device or "cpu", dtype=params[k].dtype)

@@ -111,6 +111,18 @@ class KimiK3Config:
             raise ValueError(f"KDA gate_lower_bound must be in [-5, 0), got {bound}")
         if not self.mla_use_nope:
             raise ValueError("Kimi K3 MLA is NoPE-only (mla_use_nope must be true)")
+        # flags whose other value the replica does not implement (it would ignore them)
+        for key, value, what in (
+                ("mla_use_output_gate", True, "MLA without its output gate"),
+                ("latent_moe_use_norm", True, "a latent MoE without routed_expert_norm"),
+                ("tie_word_embeddings", False, "an LM head tied to the embedding")):
+            if getattr(self, key) is not value:
+                raise ValueError(f"config {key} = {getattr(self, key)!r}: the Kimi K3 replica does not implement "
+                                 f"{what}; it supports only {key} = {str(value).lower()}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"config rms_norm_eps must be a number in (0, 1), got {eps!r} (<= 0 divides by zero "
+                             "in RMSNorm; Kimi K3 uses 1e-5)")
         if self.moe_router_activation_func != "sigmoid" or self.hidden_act != "situ":
             raise ValueError("Kimi K3 uses a sigmoid router and SiTU activations")
         if self.dsa_config is not None:

@@ -25,7 +25,7 @@ from .layers import Linear
 from .library import stock_op
 from .mla import MultiHeadLatentAttention, attend_cache, causal_mask, gather_context, write_cache
 from .parallel import Parallel, all_gather
-from .state import DecodeStep, LayerCache
+from .state import DecodeStep, LayerCache, tokens_per_request
 
 
 def index_scores(index_q: Tensor, index_w: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
@@ -48,6 +48,7 @@ def topk_mask(scores: Tensor, topk: int) -> Tensor:
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, kv_cache, index_cache,
           slot_mapping, block_table, seq_lens, topk, scale):
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi::dsa_decode")
     return ql_nope.new_empty(ql_nope.shape)
 
 
@@ -68,6 +69,7 @@ def dsa_decode(
     topk: int,
     scale: float,
 ) -> Tensor:
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi::dsa_decode")
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
     write_cache(index_cache, slot_mapping, index_k)
     selected = select_topk(index_q, index_w, index_cache, block_table, seq_lens, topk)
@@ -100,6 +102,7 @@ def select_topk_dcp(scores: Tensor, topk: int, block_local: int, par: Parallel) 
 
 def _index_dcp_fake(index_q, index_k, index_w, index_cache, slot_mapping, block_table, seq_lens, dcp_rank,
                     dcp_size):
+    tokens_per_request(index_q.shape[0], block_table.shape[0], "kimi::dsa_index_dcp")
     width = block_table.shape[1] * index_cache.shape[1]
     return index_q.new_empty(index_q.shape[0], width, dtype=torch.float32)
 
@@ -108,10 +111,10 @@ def _index_dcp_fake(index_q, index_k, index_w, index_cache, slot_mapping, block_
 def dsa_index_dcp(index_q: Tensor, index_k: Tensor, index_w: Tensor, index_cache: Tensor, slot_mapping: Tensor,
                   block_table: Tensor, seq_lens: Tensor, dcp_rank: int, dcp_size: int) -> Tensor:
     """DCP: write the indexer keys this rank owns, score this rank's positions -> [T, W_local]."""
+    R = block_table.shape[0]
+    q = tokens_per_request(index_q.shape[0], R, "kimi::dsa_index_dcp")
     block = index_cache.shape[1]
     write_cache(index_cache, dcp.local_slots(slot_mapping, block, dcp_rank, dcp_size), index_k)
-    R = block_table.shape[0]
-    q = index_q.shape[0] // R
     keys = gather_context(index_cache, block_table)
     visible = dcp.causal_mask_at(dcp.context_positions(keys.shape[1], block, dcp_rank, dcp_size, keys.device),
                                  seq_lens, q)

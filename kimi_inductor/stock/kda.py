@@ -34,11 +34,12 @@ from .config import KimiK3Config
 from .layers import Linear
 from .library import stock_op
 from .parallel import Parallel, all_reduce
-from .state import DecodeStep, LayerCache
+from .state import DecodeStep, LayerCache, check_q
 
 
 def _fake(mixed_qkv, g1, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
           recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
+    check_q(state_slots.shape[1], "kimi::kda_decode")
     return mixed_qkv.new_empty(mixed_qkv.shape[0], g2.shape[1])
 
 
@@ -62,6 +63,7 @@ def kda_decode(
     # Written without data-dependent shapes (padding is masked, not skipped) so that
     # Inductor can trace it and CUDA graphs can capture it (the stock baseline).
     R, q = state_slots.shape
+    check_q(q, "kimi::kda_decode")
     T, P = g2.shape
     H, V, K = recurrent_state.shape[1:]
     slots = state_slots.long().clamp(min=0)  # [R, q]; slot 0 is the null slot

@@ -37,7 +37,7 @@ from .config import KimiK3Config
 from .layers import Linear, RMSNorm
 from .library import stock_op
 from .parallel import Parallel, all_reduce
-from .state import DecodeStep, LayerCache
+from .state import DecodeStep, LayerCache, tokens_per_request
 
 
 def write_cache(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
@@ -73,6 +73,7 @@ def latent_attention(query: Tensor, context: Tensor, mask: Tensor, latent: int, 
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi::mla_decode")
     return ql_nope.new_empty(ql_nope.shape)
 
 
@@ -88,6 +89,7 @@ def mla_decode(
     seq_lens: Tensor,
     scale: float,
 ) -> Tensor:
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi::mla_decode")
     write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
     return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
 
@@ -95,6 +97,7 @@ def mla_decode(
 def _dcp_fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, selected, dcp_rank,
               dcp_size, scale):
     T, N, L = ql_nope.shape
+    tokens_per_request(T, block_table.shape[0], "kimi::mla_decode_dcp")
     return ql_nope.new_empty(T, N, L, dtype=torch.float32), ql_nope.new_empty(T, N, dtype=torch.float32)
 
 
@@ -116,6 +119,7 @@ def mla_decode_dcp(
     """One rank's share of DCP attention: all G N heads (ql_nope [T, G N, L]) over the
     positions this rank holds; ``selected`` [T, W_local] (DSA) narrows them further.
     Returns the partial output [T, G N, L] and log-sum-exp [T, G N], both fp32."""
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi::mla_decode_dcp")
     write_cache(kv_cache, dcp.local_slots(slot_mapping, kv_cache.shape[1], dcp_rank, dcp_size),
                 torch.cat([kv_c, k_pe], dim=-1))
     return attend_cache(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, dcp_rank, dcp_size, selected,

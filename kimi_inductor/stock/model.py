@@ -35,7 +35,7 @@ from .layers import Linear, RMSNorm
 from .mla import MultiHeadLatentAttention
 from .moe import DenseMLP, KimiMoE
 from .parallel import Parallel, all_gather, all_reduce, sp_all_gather, sp_padding_mask, sp_reduce_scatter, sp_shard
-from .state import DecodeStep, LayerCache
+from .state import DecodeStep, LayerCache, check_q
 
 ATTENTION = {"kda": KimiDeltaAttention, "mla": MultiHeadLatentAttention, "dsa": SparseLatentAttention}
 
@@ -172,12 +172,31 @@ class KimiLinearForCausalLM(nn.Module):
             logits = all_gather(logits.t().contiguous(), self.par).t()
         return logits.float()
 
+    def validate_step(self, step: DecodeStep, caches: list[LayerCache]) -> DecodeStep:
+        """``step.validate`` with this model's vocabulary and these caches' sizes (KDA
+        slots, latent-cache blocks and block size), after checking that the caches are
+        this model's and were allocated for the step's q; returns the step."""
+        if len(caches) != len(self.model.layers):
+            raise ValueError(f"{len(caches)} layer caches for {len(self.model.layers)} layers")
+        sizes: dict = {"vocab_size": self.config.vocab_size}
+        for layer, cache in zip(self.model.layers, caches):
+            if layer.kind == "kda":
+                sizes["num_slots"] = cache[0].shape[0]
+                q = cache[0].shape[1] - (self.config.conv_size - 1) + 1
+                if q != step.q:
+                    raise ValueError(f"the caches were allocated for q = {q} tokens per request (KDA conv state "
+                                     f"rows), the step has q = {step.q}: allocate_caches(..., q={step.q})")
+            else:
+                sizes["num_blocks"], sizes["block_size"] = cache[0].shape[0], cache[0].shape[1] * self.par.dcp
+        return step.validate(**sizes)
+
     def allocate_caches(self, num_slots: int, num_blocks: int, block_size: int, q: int,
                         device=None) -> list[LayerCache]:
         """Zeroed per-layer caches: ``num_slots`` KDA state slots (slot 0 is the null
         slot), a paged latent cache of ``num_blocks`` x ``block_size`` tokens (with DCP
         = G each rank holds block_size / G rows of every block); conv state and latent
         caches in the model dtype, the KDA recurrent state in fp32."""
+        check_q(q, "allocate_caches")
         out, dtype = [], self.dtype
         for layer in self.model.layers:
             if layer.kind == "kda":
