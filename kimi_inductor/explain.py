@@ -6,6 +6,9 @@ captures the step, AOTAutograd functionalizes it, our passes rewrite it, and the
 result is not executed. Inductor's own post-grad passes are skipped (they do not
 run on the meta device), so the graph is the AOT graph our passes would see before
 Inductor's no-op removal; the match and the report are the same.
+
+``explain_vllm`` does the same for the graph vLLM 0.33.0's own K3 model produces
+(captured on CPU by ``vllm_cpu``; ``python -m kimi_inductor explain --vllm``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,53 @@ from .passes.report import MatchReport
 from .passes.snapshot import region_text
 from .stock import KimiK3Config, KimiLinearForCausalLM, Parallel
 from .stock.batch import DecodeBatch
+
+
+def _observer(options: Options, layer: int | None, part: str, regions: dict[str, str],
+              say: Callable[[str], None], started: dict[str, float]) -> Callable:
+    """The passes' observer: progress lines, and ``layer``'s region before the passes and
+    after each (into ``regions``)."""
+
+    def observe(stage: str, gm) -> None:
+        when, name = stage.split(maxsplit=1)
+        if when == "before":
+            if name == (options.passes or ("",))[0]:
+                say(f"captured in {time.perf_counter() - started['time']:.1f} s; running our passes")
+            started[name] = time.perf_counter()
+            say(f"pass {name} ...")
+        else:
+            say(f"pass {name} done ({time.perf_counter() - started[name]:.1f} s)")
+        if layer is not None and (when == "after" or not regions):
+            regions["before" if when == "before" else name] = region_text(gm, layer, part)
+
+    return observe
+
+
+def explain_vllm(ranks: int = 2, layers: int | None = None, requests: int = 2, padding: int = 1, rank: int = 0,
+                 layer: int | None = None, part: str = "attention", options: dict[str, Any] | None = None,
+                 progress: Callable[[str], None] | None = None) -> tuple[MatchReport, dict[str, str]]:
+    """``explain`` for vLLM 0.33.0's own Kimi K3 backbone: built on CPU by
+    ``vllm_cpu`` (the tiny config, our replica's random weights through vLLM's loader)
+    at TP ``ranks`` in vLLM's SP layout on a fake process group, one decode step
+    captured with fullgraph Dynamo, and our passes run on the post-grad graph vLLM
+    hands a post-grad pass. vLLM is patched for the rest of the process
+    (``vllm_cpu.install``): call it from a process of its own."""
+    from . import vllm_cpu
+
+    say = progress or (lambda message: None)
+    say(f"explain --vllm: vLLM 0.33.0's KimiLinearModel at TP {ranks} (SP layout, a fake process group), "
+        f"{requests} requests + {padding} padding rows")
+    vllm_config, model = vllm_cpu.build(tp=ranks, rank=rank, layers=layers)
+    batch = vllm_cpu.decode_batch(model, vllm_config, requests, padding)
+    regions: dict[str, str] = {}
+    started = {"time": time.perf_counter()}
+    report = MatchReport()
+    parsed = Options.from_mapping(options)
+    passes = KimiPasses(parsed, report, _observer(parsed, layer, part, regions, say, started))
+    say("capturing the step (Dynamo, then AOTAutograd; vLLM's Triton kernels run interpreted) ...")
+    vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch), on_graph=lambda gm: passes(gm.graph))
+    say(f"done in {time.perf_counter() - started['time']:.1f} s")
+    return report, regions
 
 
 def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1, requests: int = 8,
@@ -50,21 +100,9 @@ def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1
         regions: dict[str, str] = {}
 
         started = {"time": time.perf_counter()}
-
-        def observe(stage: str, gm) -> None:
-            when, name = stage.split(maxsplit=1)
-            if when == "before":
-                if name == (Options.from_mapping(options).passes or ("",))[0]:
-                    say(f"captured in {time.perf_counter() - started['time']:.1f} s; running our passes")
-                started[name] = time.perf_counter()
-                say(f"pass {name} ...")
-            else:
-                say(f"pass {name} done ({time.perf_counter() - started[name]:.1f} s)")
-            if layer is not None and (when == "after" or not regions):
-                regions["before" if when == "before" else name] = region_text(gm, layer, part)
-
         report = MatchReport()
-        passes = KimiPasses(Options.from_mapping(options), report, observe)
+        passes = KimiPasses(Options.from_mapping(options), report,
+                            _observer(Options.from_mapping(options), layer, part, regions, say, started))
 
         def run_passes(gm, example_inputs, **kwargs):
             passes(gm.graph)

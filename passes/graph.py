@@ -199,6 +199,13 @@ class MetaUpdater:
         from torch._inductor.virtualized import V
 
         nodes = self.gm.graph.nodes
+        # FakeTensorUpdater compares dict results by their keys only, so it would keep a
+        # Triton launch's old outputs: re-run every launch and its getitems.
+        for node in nodes:
+            if node.target is triton_kernel_wrapper_functional:
+                node.meta.pop("val", None)
+                for n in (node, *node.users):
+                    self.updater.processed_hashes.discard(self.updater.hash_node(n))
         mode = detect_fake_mode([n.meta.get("val") for n in nodes if n.op == "placeholder"])
         with V.set_fake_mode(mode):
             updated = self.updater.incremental_update()

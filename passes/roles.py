@@ -128,7 +128,7 @@ class Spelling:
     core: Callable[[fx.Node], Core | None]
     experts: Callable[[fx.Node], Experts | None]
     collectives: CollectiveSpelling | None = None
-    row_local: dict[str, tuple[int, ...]] = field(default_factory=dict)  # op name -> its row-wise arguments
+    row_local: dict[str, tuple[str, ...]] = field(default_factory=dict)  # op name -> arguments read row by row
     notes: str = ""  # what it covers, for docs and reports
 
 
@@ -170,9 +170,9 @@ def collective_spelling(name: str) -> CollectiveSpelling:
     return next(s.collectives for s in SPELLINGS if s.name == name)
 
 
-def row_local_args(op_name: str) -> tuple[int, ...] | None:
-    """Positions of the arguments a custom op reads row by row, when some spelling
-    declares it row-local (output row r depends only on row r of those)."""
+def row_local_args(op_name: str) -> tuple[str, ...] | None:
+    """Names of the arguments a custom op reads row by row, when some spelling declares
+    it row-local (output row r depends only on row r of those)."""
     return next((s.row_local[op_name] for s in SPELLINGS if op_name in s.row_local), None)
 
 

@@ -15,7 +15,9 @@ all rows. The proof is by construction over the subgraph in graph order; a value
     views and layout ops   keeping dimension 0 as it is (view/reshape to [R, ...],
                            permute with 0 first, slice/split/select/squeeze/unsqueeze/
                            cat off dimension 0, getitem of a split)
-    declared custom ops    ``roles.row_local_args``: a spelling's row-wise ops
+    declared custom ops    ``roles.row_local_args``: a spelling's row-wise ops, by the
+                           arguments they read row by row; a buffer they write must be
+                           a fresh allocation of the rows (resized with them)
 
 and no row-carrying value may be read outside the subgraph (except by ``sink``, the
 consumer of its result). Anything else (``y.mean(0)``, an index along rows, a view
@@ -32,7 +34,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from .graph import OpCall, op_name
-from .roles import row_local_args
+from .roles import ALLOCATIONS, resize_rows, row_local_args
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -56,8 +58,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def _rows_kept(node: fx.Node, rows: Any) -> bool:
     val = _val(node)
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    return all(isinstance(v, torch.Tensor) and v.dim() > 0 and _same(v.shape[0], rows) for v in vals)
+    vals = [v for v in (val if isinstance(val, (list, tuple)) else [val]) if v is not None]
+    return bool(vals) and all(isinstance(v, torch.Tensor) and v.dim() > 0 and _same(v.shape[0], rows) for v in vals)
 
 
 def _dims(node: fx.Node) -> list[int]:
@@ -124,14 +126,26 @@ def _rule(node: fx.Node, carried: set[fx.Node], rows: Any) -> str:
                 return "an operand from outside has a row dimension"
         return ""
     call = OpCall.of(node)
-    if call is not None:
-        positions = row_local_args(call.op._schema.name)
-        if positions is not None:
-            args = list(node.args)
-            if all(args[i] in carried or i in positions for i, a in enumerate(args) if isinstance(a, fx.Node)):
-                return ""
-            return "a row-carrying value enters an argument it does not read row by row"
+    names = None if call is None else row_local_args(call.op._schema.name)
+    if names is not None:
+        for a in call.op._schema.arguments:
+            value = call.arg(a.name)
+            if not isinstance(value, fx.Node):
+                continue
+            if a.name in names:
+                if value not in carried:
+                    return f"its row-wise argument {a.name} comes from outside"
+            elif value in carried:
+                return f"a row-carrying value enters {a.name}, which it does not read row by row"
+            elif _buffer(call, a) and not (value.target in ALLOCATIONS and _same(_val(value).shape[0], rows)):
+                return f"its output buffer {a.name} is not a fresh allocation of the rows"
+        return ""
     return "not known to be row-local"
+
+
+def _buffer(call: OpCall, argument) -> bool:
+    """Whether ``argument`` is a buffer the op writes (its rows then follow the input's)."""
+    return argument.alias_info is not None and argument.alias_info.is_write
 
 
 def _carried(nodes: set[fx.Node], src: fx.Node) -> tuple[list[fx.Node], str]:
@@ -162,9 +176,16 @@ def reason(nodes: set[fx.Node], src: fx.Node, sink: fx.Node | None = None) -> st
 def set_rows(nodes: set[fx.Node], src: fx.Node, rows: Any) -> None:
     """Make a proven row-local subgraph take ``rows`` rows: the sizes its views and
     expands spell out keep dimension 0 as the rows (``_rule``), so that entry becomes
-    ``rows``. Call before ``src`` changes."""
+    ``rows``, and the buffers of declared row-local ops are allocated with ``rows``.
+    Call before ``src`` changes."""
+    g = src.graph
     for node in _carried(nodes, src)[0]:
         if node.target in SIZED:
             args = list(node.args)
             args[1] = [rows, *args[1][1:]]
             node.args = tuple(args)
+        call = OpCall.of(node)
+        if call is not None and row_local_args(call.op._schema.name) is not None:
+            for a in call.op._schema.arguments:
+                if _buffer(call, a) and isinstance(call.arg(a.name), fx.Node):
+                    call.set_arg(a.name, resize_rows(g, call.arg(a.name), rows), drop_view=True)

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from .decoder import DecoderGraph, _between
-from .graph import OpCall
+from .graph import OpCall, TritonCall
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int32: "i32", torch.int64: "i64",
            torch.bool: "b8", torch.uint8: "u8"}
@@ -63,8 +63,13 @@ def region_text(gm: fx.GraphModule, layer: int, part: str) -> str:
 
     lines: list[str] = []
     for n in nodes:
+        triton = TritonCall.of(n)
         if n.target is operator.getitem:
             rhs = f"{ref(n.args[0])}[{n.args[1]}]"
+        elif triton is not None:  # by kernel name; tensors by name, then the constants
+            args = [f"{k}={ref(v)}" for k, v in n.kwargs["kwargs"].items()]
+            args += [f"{k}={ref(v)}" for k, v in triton.constants.items()] + [f"grid={ref(triton.grid)}"]
+            rhs = f"triton.{triton.name.rsplit('.', 1)[-1]}({', '.join(args)})"
         else:
             call = OpCall.of(n)
             if call is not None and call.wrapped:

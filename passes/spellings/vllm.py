@@ -38,7 +38,7 @@ KDA_KERNELS = {f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_packed
                f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_fwd_kernel"}
 CORE_OPS = {"_C::fused_kda_decode": "kda", "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": "mla"}
 EXPERT_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
-ROW_LOCAL_OPS = {"vllm_ir::rms_norm": (0,), "_C::situ_and_mul": (0, 1)}
+ROW_LOCAL_OPS = {"vllm_ir::rms_norm": ("x",), "_C::situ_and_mul": ("input",)}
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -47,14 +47,17 @@ def _op_name(node: fx.Node) -> str | None:
 
 
 class TritonAttnRes(AttnRes):
-    """``_attn_res_kernel``: the role's names with a ``_ptr`` suffix for tensors."""
+    """``_attn_res_kernel``: the role's names with a ``_ptr`` suffix for tensors (the bank
+    is ``blocks_ptr``)."""
 
     def __init__(self, call: TritonCall):
         self.call, self.node, self.spelling = call, call.node, NAME
 
     @staticmethod
     def _key(name: str) -> str:
-        return name if name in ("num_blocks", "block_write_idx", "eps", "output_norm_eps") else f"{name}_ptr"
+        if name in ("num_blocks", "block_write_idx", "eps", "output_norm_eps"):
+            return name
+        return "blocks_ptr" if name == "bank" else f"{name}_ptr"
 
     def arg(self, name: str) -> Any:
         return self.call.arg(self._key(name))
