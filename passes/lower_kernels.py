@@ -35,6 +35,7 @@ Order: after hybrid_attention (so that replicated and sharded rows are final).
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 
 import torch
@@ -49,7 +50,7 @@ from kimi_inductor.kernels import skinny_gemm
 from . import roles
 from .decoder import _between
 from .gemm_neighbours import rms_norm_of, situ_of
-from .graph import OpCall
+from .graph import OpCall, TritonCall
 from .report import PassInfo
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -123,11 +124,21 @@ class LowerKernels:
         kept = Counter()
         dg = ctx.decoder
         decoder_calls = [r for l in dg.layers for r in (l.pre, l.post, l.core)] + ([dg.final] if dg.final else [])
-        foreign = sorted({c.spelling for c in decoder_calls if c.spelling != "kimi"})
+        foreign = sorted({c.spelling for c in decoder_calls if isinstance(c, roles.Core) and c.spelling != "kimi"})
         if foreign:
-            info.skipped.append(f"{', '.join(foreign)} attention cores and AttnRes kept "
-                                "(issue 17: not lowered yet)")
+            info.skipped.append(f"{', '.join(foreign)} attention cores kept (issue 17: not lowered yet)")
         ours = [OpCall.of(c.node) for c in decoder_calls if c.spelling == "kimi"]
+        for res in [c for c in decoder_calls if isinstance(c, roles.AttnRes) and c.spelling != "kimi"]:
+            info.matched += 1
+            prefix = res.arg("prefix").meta["val"]
+            why = attn_res_kernel.supported(prefix.shape[-1], prefix.dtype)
+            if why:
+                kept[f"AttnRes ({res.spelling}): {why}"] += 1
+                continue
+            new = _lower_attn_res(g, res)
+            dg.replaced(res.node, new)
+            per_node[new] = "attn_res"
+            info.rewritten += 1
         # KDA first: its f_b GEMM folds into the fused kernel
         for call in [c for c in ours if c.op is kimi.kda_decode.default]:
             info.matched += 1
@@ -218,6 +229,34 @@ def _fuse_kda(g: fx.Graph, call: OpCall, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
     kwargs = {k: v for k, v in call.node.kwargs.items() if k != "g1"}
     kwargs.update(f_a=f_a, f_b_weight=f_b)
     return _swap(g, call, kk.kda_decode.default, kwargs)
+
+
+def _lower_attn_res(g: fx.Graph, res: roles.AttnRes) -> fx.Node:
+    """Our AttnRes op in place of another spelling's call of the same role (the role's
+    contract: prefix += delta in place, the bank write, the mix), wrapped as post-grad
+    graphs wrap mutating ops. What else the call returned (a Triton launch returns every
+    pointer argument) is its unchanged input."""
+    names = ("delta", "norm_weight", "qk_weight", "output_norm_weight", "num_blocks", "block_write_idx", "eps",
+             "output_norm_eps")
+    kwargs = {name: res.arg(name) for name in names}
+    kwargs.update(_prefix_base_index=0, _bank_base_index=1, _all_bases=[res.arg("prefix"), res.arg("bank")])
+    with g.inserting_before(res.node):
+        new = g.call_function(auto_functionalized_v2, (kk.attn_res.default,), kwargs)
+        out, prefix, bank = (g.call_function(operator.getitem, (new, i)) for i in range(3))
+    # later matches in this pass read the values (the manager's MetaUpdater redoes them)
+    vals = [res.output.meta["val"], res.arg("prefix").meta["val"], res.arg("bank").meta["val"]]
+    new.meta["val"] = tuple(vals)
+    for node, val in zip((out, prefix, bank), vals):
+        node.meta["val"] = val
+    for old, value in ((res.output, out), (res.updated("prefix"), prefix), (res.updated("bank"), bank)):
+        if old is not None:
+            old.replace_all_uses_with(value)
+            g.erase_node(old)
+    for user in list(res.node.users):
+        user.replace_all_uses_with(TritonCall.of(res.node).arg(user.args[1]))
+        g.erase_node(user)
+    g.erase_node(res.node)
+    return new
 
 
 def _replace(dg, call: OpCall, new: fx.Node) -> fx.Node:

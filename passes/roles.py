@@ -60,6 +60,10 @@ class AttnRes:
         """The node holding the mix."""
         raise NotImplementedError
 
+    def updated(self, name: str) -> fx.Node | None:
+        """The node holding ``prefix`` or ``bank`` after the call (None when unread)."""
+        raise NotImplementedError
+
     def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
         raise NotImplementedError
 
@@ -83,6 +87,9 @@ class OpAttnRes(AttnRes):
     @property
     def output(self) -> fx.Node | None:
         return self.call.output(0) if self.out is None else self.call.mutated_output(self.out)
+
+    def updated(self, name: str) -> fx.Node | None:
+        return self.call.mutated_output(name)
 
     def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
         self.call.set_arg(name, value, drop_view)

@@ -66,6 +66,9 @@ class TritonAttnRes(AttnRes):
     def output(self) -> fx.Node | None:
         return self.call.output("output_ptr")
 
+    def updated(self, name: str) -> fx.Node | None:
+        return self.call.output(self._key(name))
+
     def set_arg(self, name: str, value: Any, drop_view: bool = False) -> None:
         self.call.set_arg(self._key(name), value)
 
