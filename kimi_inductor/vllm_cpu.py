@@ -965,3 +965,47 @@ def capture(model, vllm_config, step: Step, on_graph: Callable[[fx.GraphModule],
     compiled = compile_backbone(model, "capture", on_graph=on_graph)
     out = compiled.step(vllm_config, step)
     return compiled.graphs, out
+
+
+# --------------------------------------------------------------------------- checks
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """Calls in a captured graph by name: ``call_function`` targets as ``str(target)``
+    (``vllm.all_gather.default``, ``vllm.moe_forward_shared.default``, ...), plus
+    ``triton:<module>.<kernel>`` per Triton launch (the kernel from Dynamo's side table)
+    and ``functionalized:<op>`` per mutating op behind ``auto_functionalized_v2``."""
+    from collections import Counter
+
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    counts: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        counts[str(node.target)] += 1
+        if "triton_kernel_wrapper" in str(node.target):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            fn = getattr(kernel, "fn", kernel)
+            counts[f"triton:{fn.__module__}.{fn.__qualname__}"] += 1
+        elif "auto_functionalized" in str(node.target):
+            counts[f"functionalized:{node.args[0]._schema.name}"] += 1
+    return dict(counts)
+
+
+def weight_mismatches(model, preset: str = "tiny", layers: int | None = None, seed: int = 0) -> list[str]:
+    """Parameters of vLLM's model (TP 1) that differ from our replica's built from the
+    same checkpoint (names as vLLM's, its ``experts.routed_experts.`` as our
+    ``experts.``); parameters only one side has (vLLM's absorbed MLA weights and scales,
+    for one) are not compared."""
+    from .stock.checkpoint import build_model, load_checkpoint
+
+    config, tensors = load_checkpoint(checkpoint(preset, seed, layers))
+    ours = dict(build_model(config, tensors).named_parameters())
+    bad = []
+    for name, theirs in model.named_parameters():
+        mine = ours.get(name.replace(".experts.routed_experts.", ".experts."))
+        if mine is not None and (mine.shape != theirs.shape or not torch.equal(mine.to(theirs.dtype), theirs)):
+            bad.append(name)
+    compared = sum(n.replace(".experts.routed_experts.", ".experts.") in ours for n, _ in model.named_parameters())
+    if compared < len(ours):
+        bad.append(f"only {compared} of our {len(ours)} parameters have a vLLM counterpart")
+    return bad
