@@ -34,9 +34,11 @@ or the caller's gloo world (``group="gloo"``: ``torch.distributed`` initialised,
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -531,6 +533,7 @@ def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None) -
 
     config = config_for(preset, layers)
     path = Path(tempfile.mkdtemp(prefix=f"kimi-vllm-{preset}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     save_checkpoint(path, config, random_checkpoint(config, seed))
     return path
 
@@ -639,7 +642,8 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
     ``sp``: at TP > 1, build in vLLM's sequence-parallel layout (PP 1, EP on and DP 2
     while the layers are constructed, which is what makes vLLM choose SP without
     MegaMoE); otherwise plain TP. ``group``: ``"fake"`` starts a fake process group of
-    ``tp`` ranks (capture only) as ``rank``; ``"gloo"`` uses the caller's world."""
+    ``tp`` ranks (capture only) as ``rank``; ``"gloo"`` uses the caller's world. Once per
+    process (vLLM's distributed state and layer registry are global)."""
     install()
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
