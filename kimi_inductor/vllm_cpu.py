@@ -264,6 +264,10 @@ def _interpret_triton() -> None:
     _interpreter_patching()
 
 
+SHIMS["interpreter bf16 dot"] = (
+    "Triton 3.6's interpreter multiplies bf16 tl.dot operands as their raw uint16 storage (garbage: vLLM's fused MoE "
+    "kernel); they are widened to fp32 first (exact, as a tensor core does)")
+
 SHIMS["interpreter patching"] = (
     "while an interpreted launch runs, module-level aliases of Triton builtins (flash-linear-attention's `exp = "
     "tl.exp`, used by the KDA kernels) are patched with triton.language; nested helper calls skip re-patching what "
@@ -282,10 +286,14 @@ def _interpreter_patching() -> None:
       the languages the launch already patched (Triton redoes it per call: a third of
       the interpreter's time on these kernels), and what a nested call does patch is
       restored when the launch ends (Triton leaves ``triton.language.core`` patched,
-      which breaks the TTIR generation of Dynamo's mutation analysis afterwards)."""
+      which breaks the TTIR generation of Dynamo's mutation analysis afterwards).
+
+    And ``tl.dot`` of bf16 operands widens them to fp32 first: Triton 3.6's interpreter
+    would multiply their uint16 storage."""
     import inspect
     import sys
 
+    import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -338,6 +346,18 @@ def _interpreter_patching() -> None:
 
     interpreter._patch_lang = patch_lang_once
     interpreter.GridExecutor.__call__ = run_grid
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widened(x):
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_bf16
 
 
 @_shim("has_triton", "torch.utils._triton.has_triton() is True (it wants a GPU, or Triton's CPU backend), so Dynamo "
