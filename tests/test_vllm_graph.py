@@ -173,10 +173,13 @@ def test_sp_graph_has_one_gather_and_one_reduce_scatter_per_layer(tp):
 
 
 @pytest.mark.slow
-def test_gloo_tp2_kimi_specialized_equals_vllm_eager():
+def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     from kimi_inductor.launch import run_ranks
 
     results = run_ranks(gloo_rank, 2, 4)
+    # SP with EP experts against one rank: the bf16 band of docs/testing.md on the first step
+    first = ((results[0]["eager"][0] - tp1["eager"][0]).float().norm(dim=-1) / tp1["eager"][0].float().norm(dim=-1))
+    assert statistics.median(first.tolist()) < 0.03, first
     for rank in results:
         assert rank["compiled_graphs"] == 1
         for step, (eager, compiled) in enumerate(zip(rank["eager"], rank["compiled"])):
