@@ -19,10 +19,44 @@ passes know; the report says per layer what matched and why not (docs/vllm.md).
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.models.kimi_k3.nvidia import model as _k3
+from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention as _KDA
+from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention as _MLA
 
 from .config import decode_requested
+
+
+def _drop_aux_streams(backbone: nn.Module) -> None:
+    """Run what vLLM overlaps on aux CUDA streams in order on the current stream."""
+    for module in backbone.modules():
+        if isinstance(module, _MLA):
+            module.aux_stream = None  # gate GEMM: maybe_execute_in_parallel(..., None)
+        elif isinstance(module, _k3.KimiMoE):
+            module._down_proj_stream = None  # router and latent down-projection
+        elif isinstance(module, _KDA):
+            module._projection_aux_stream = None  # projection overlap (CUDA-graph capture only)
+            module._projection_events = None
+
+
+if not getattr(_k3.MultiHeadLatentAttention, "kimi_inductor", False):
+
+    class TraceableMLA(_k3.MultiHeadLatentAttention):
+        """vLLM's K3 MLA with an up-projection Dynamo can trace (same values)."""
+
+        kimi_inductor = True
+
+        def _v_up_proj(self, x: torch.Tensor, out: torch.Tensor) -> None:
+            if not torch.compiler.is_compiling():
+                return super()._v_up_proj(x, out)
+            # (B, N, L) -> (N, B, L) x (N, L, V) -> (N, B, V), copied into out as (B, N, V)
+            x = x.view(-1, self.num_local_heads, self.kv_lora_rank).transpose(0, 1)
+            out = out.view(-1, self.num_local_heads, self.v_head_dim)
+            out.copy_(torch.bmm(x, self.W_UV).transpose(0, 1))
+
+    _k3.MultiHeadLatentAttention = TraceableMLA
 
 if not getattr(_k3.KimiLinearModel, "kimi_inductor", False):
 
@@ -31,6 +65,11 @@ if not getattr(_k3.KimiLinearModel, "kimi_inductor", False):
         """vLLM's K3 backbone, compiled when the deployment asks for kimi_specialized."""
 
         kimi_inductor = True
+
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            if decode_requested(vllm_config) or not torch.cuda.is_available():
+                _drop_aux_streams(self)
 
     _k3.KimiLinearModel = KimiLinearModel
 

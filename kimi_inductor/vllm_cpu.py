@@ -1,0 +1,1048 @@
+"""Capture vLLM 0.33.0's own Kimi K3 backbone on a CPU machine (docs/vllm.md,
+"Capturing vLLM's K3 on CPU").
+
+vLLM's ``vllm.models.kimi_k3.nvidia.model.KimiLinearModel`` is built from a tiny K3
+checkpoint written from our replica (so both models hold the same weights, loaded by
+vLLM's own ``load_weights``), decoded eagerly as vLLM does (its Triton kernels run in
+Triton's interpreter, as with ``TRITON_INTERPRET=1``), and compiled with
+``torch.compile(fullgraph=True)`` so that the post-grad FX graph our passes see can be
+inspected or compiled by ``kimi_specialized``.
+
+``install()`` (``build`` calls it) sets the environment a CPU capture needs (``ENV``)
+and applies the shims (``SHIMS``: name -> why), process-wide and for good: use a
+process of its own (the tests spawn one per scenario) in which vLLM has not been
+imported yet. None of the shims changes vLLM's decode math: they pick the code path
+vLLM takes on CUDA where the CPU platform would take another, make CUDA-only objects
+inert, and give vLLM's compiled ``_C`` ops (absent from a CPU install) CPU
+implementations with fake (meta) kernels. Two things differ from a CUDA run and are
+said where they are done: each KDA state has cache pages of its own, and MLA's output
+gate runs uncompiled (``SHIMS``).
+
+    vllm_config, model = build(tp=1, layers=5)               # tp=2/4: SP, fake group
+    batch = decode_batch(model, vllm_config, rows=3, padding=1)
+    step = next_step(vllm_config, batch)                       # vLLM's own metadata
+    hidden = eager_step(model, vllm_config, step)             # vLLM eager
+    graphs, hidden = capture(model, vllm_config, step)        # post-grad FX graphs
+    compiled = compile_backbone(model, "kimi_specialized", {"compiler": "eager"})
+    hidden = compiled.step(vllm_config, next_step(vllm_config, batch))
+
+The model runs in one process with vLLM's distributed state initialised for it: TP > 1
+uses a fake process group (``group="fake"``: capture only, collectives return garbage)
+or the caller's gloo world (``group="gloo"``: ``torch.distributed`` initialised, e.g. by
+``kimi_inductor.launch.run_ranks``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch._inductor.config
+from torch import fx
+
+ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",  # vLLM's CPU platform
+    "CUDA_VISIBLE_DEVICES": "",
+    "VLLM_KIMI_K3_GEMM_AR": "0",  # GEMM + all-reduce kernels are CUDA (CuTe DSL) only
+    "HF_HUB_OFFLINE": "1",
+}
+
+SHIMS: dict[str, str] = {}
+
+
+def _shim(name: str, why: str) -> Callable:
+    """Register an installer under ``name`` in ``SHIMS`` (run once by ``install``)."""
+    def deco(fn: Callable) -> Callable:
+        SHIMS[name] = why
+        _INSTALLERS.append(fn)
+        return fn
+    return deco
+
+
+_INSTALLERS: list[Callable] = []
+_installed = False
+
+
+def install() -> None:
+    """Apply every shim (idempotent). Call before building vLLM's model."""
+    global _installed
+    if _installed:
+        return
+    os.environ.update(ENV)
+    for fn in _INSTALLERS:
+        fn()
+    _installed = True
+
+
+# --------------------------------------------------------------------------- shims
+class _InertStream:
+    """``torch.cuda.Stream`` on a machine without CUDA: constructible, never used
+    (the aux streams that would use it are set to None, ``vllm_k3``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _InertEvent:
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@_shim("cuda Stream/Event", "K3's layers create torch.cuda.Stream/Event objects for their aux-stream overlap at "
+       "construction; inert ones here (the overlap itself is off: aux streams are None, vllm_k3)")
+def _inert_cuda_streams() -> None:
+    if not torch.cuda.is_available():
+        torch.cuda.Stream = _InertStream
+        torch.cuda.Event = _InertEvent
+
+
+@_shim("MoE backend TRITON", "the unquantized MoE backend vLLM picks on H200 (KernelConfig(moe_backend='triton')); "
+       "its TritonExperts accept the CPU device here (they run under the Triton interpreter)")
+def _triton_moe_on_cpu() -> None:
+    from vllm.model_executor.layers.fused_moe.experts import triton_moe
+
+    triton_moe.TritonExperts._supports_current_device = staticmethod(lambda: True)
+
+
+@_shim("MoERunner._select_forward", "the MoE runs as torch.ops.vllm.moe_forward(_shared), the opaque op CUDA "
+       "uses (the CPU platform calls the Python function directly)")
+def _moe_forward_op() -> None:
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    def select_forward(self) -> Callable:
+        ops = torch.ops.vllm
+        return ops.moe_forward if self._shared_experts is None else ops.moe_forward_shared
+
+    moe_runner.MoERunner._select_forward = select_forward
+
+
+@_shim("CustomOp forward_cuda", "vLLM's enabled CustomOps (custom_ops='all': mode NONE, or a backend other than "
+       "Inductor such as kimi_specialized) dispatch to forward_cuda as on CUDA, not forward_cpu: KDA's gated norm is "
+       "its Triton kernel, SiTU-and-mul the _C op (stand-in), RMSNorm the vllm_ir op")
+def _custom_op_cuda_dispatch() -> None:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import SituAndMul
+
+    dispatch = CustomOp.dispatch_forward
+    if getattr(dispatch, "kimi_inductor", False):
+        return
+
+    def dispatch_forward(self, compile_native: bool):
+        method = dispatch(self, compile_native)
+        if getattr(method, "__func__", None) is not type(self).forward_cpu:
+            return method  # disabled op (forward_native)
+        if isinstance(self, SituAndMul):
+            self.op = torch.ops._C.situ_and_mul  # set in __init__ on CUDA only
+        return self.forward_cuda
+
+    dispatch_forward.kimi_inductor = True
+    CustomOp.dispatch_forward = dispatch_forward
+
+
+@_shim("CPU communicator all_gatherv/reduce_scatterv", "the EP all-gather / reduce-scatter dispatch inside "
+       "moe_forward_shared (SP layout) calls all_gatherv / reduce_scatterv, which vLLM implements for CUDA only; here "
+       "for equal per-rank sizes (SP shards) through the communicator's all_gather / reduce_scatter")
+def _cpu_gatherv() -> None:
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    def equal(sizes: list[int] | None) -> None:
+        if sizes is not None and len(set(sizes)) > 1:
+            raise NotImplementedError(f"uneven per-rank sizes {sizes}")
+
+    def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
+        equal(sizes)
+        if isinstance(input_, (list, tuple)):
+            return [self.all_gather(x, dim) for x in input_]
+        return self.all_gather(input_, dim)
+
+    def reduce_scatterv(self, input_, dim: int = 0, sizes: list[int] | None = None):
+        equal(sizes)
+        return self.reduce_scatter(input_, dim)
+
+    CpuCommunicator.all_gatherv = all_gatherv
+    CpuCommunicator.reduce_scatterv = reduce_scatterv
+
+
+@_shim("use_custom_op_collectives", "CpuPlatform.use_custom_op_collectives() is True (CUDA's value): TP "
+       "collectives are torch.ops.vllm.all_gather / reduce_scatter / all_reduce in the graph, as on H200")
+def _custom_op_collectives() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.use_custom_op_collectives = classmethod(lambda cls: True)
+
+
+@_shim("unquantized GEMM", "UnquantizedLinearMethod uses F.linear (CUDA's default_unquantized_gemm) and keeps its "
+       "weight; the CPU platform would repack weights for oneDNN / sgl-kernel extension ops and drop them")
+def _linear_gemm() -> None:
+    from vllm.model_executor.layers import linear, utils
+
+    linear.dispatch_unquantized_gemm = lambda *args, **kwargs: utils.default_unquantized_gemm
+    linear.UnquantizedLinearMethod.process_weights_after_loading = lambda self, layer: None
+
+
+@_shim("MLA gate uncompiled", "vLLM wraps MLA's sigmoid output gate (_gate_sigmoid_mul) in its own torch.compile; "
+       "here it runs as the plain function, which is what a capture inlines (compiled alone, Inductor computes it in "
+       "fp32 with one bf16 rounding instead of two, and eager would not match a graph run op by op)")
+def _plain_gate() -> None:
+    from vllm.models.kimi_k3.nvidia import mla
+
+    mla._gate_sigmoid_mul = getattr(mla._gate_sigmoid_mul, "_torchdynamo_orig_callable", mla._gate_sigmoid_mul)
+
+
+@_shim("causal_conv1d Triton", "KDA's short convolution uses vLLM's Triton causal_conv1d_update/_fn, as on CUDA "
+       "(on the CPU platform the module rebinds them to CPU extension ops)")
+def _triton_causal_conv1d() -> None:
+    import importlib
+    import sys
+
+    from vllm.platforms import current_platform
+
+    name = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
+    platform = type(current_platform)
+    is_cpu = platform.is_cpu
+    platform.is_cpu = lambda self: False  # only while the module body runs
+    try:
+        module = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+    finally:
+        platform.is_cpu = is_cpu
+    kda = sys.modules.get("vllm.models.kimi_k3.nvidia.kda")
+    if kda is not None:
+        kda.causal_conv1d_update, kda.causal_conv1d_fn = module.causal_conv1d_update, module.causal_conv1d_fn
+
+
+@_shim("Triton kernels interpreted", "every @triton.jit kernel launch (and nested helper call) runs in Triton's "
+       "interpreter on the CPU, as TRITON_INTERPRET=1 would; the kernels stay JITFunctions, so Dynamo captures "
+       "their launches as triton_kernel_wrapper_* (with TRITON_INTERPRET=1 it would trace into them)")
+def _interpret_triton() -> None:
+    from triton.runtime import jit
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if getattr(jit.JITFunction.run, "kimi_inductor", False):
+        return
+
+    def interpreted(kernel) -> InterpretedFunction:
+        fn = kernel.__dict__.get("_kimi_interpreted")
+        if fn is None:
+            fn = kernel.__dict__["_kimi_interpreted"] = InterpretedFunction(kernel.fn)
+        return fn
+
+    def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        return interpreted(self).run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:  # a helper called from an interpreted kernel
+        return interpreted(self)(*args, **kwargs)
+
+    run.kimi_inductor = True
+    jit.JITFunction.run = run
+    jit.JITFunction.__call__ = call
+    _interpreter_patching()
+
+
+SHIMS["interpreter bf16 dot"] = (
+    "Triton 3.6's interpreter multiplies bf16 tl.dot operands as their raw uint16 storage (garbage: vLLM's fused MoE "
+    "kernel); they are widened to fp32 first (exact, as a tensor core does)")
+
+SHIMS["interpreter patching"] = (
+    "while an interpreted launch runs, module-level aliases of Triton builtins (flash-linear-attention's `exp = "
+    "tl.exp`, used by the KDA kernels) are patched with triton.language; nested helper calls skip re-patching what "
+    "the launch patched (speed), and their patches are undone when the launch ends (Triton leaves them, which "
+    "breaks later TTIR generation)")
+
+
+def _interpreter_patching() -> None:
+    """Two changes to how the interpreter patches ``triton.language`` around a launch:
+
+    * a module that holds a Triton builtin under its own global name
+      (flash-linear-attention's ``exp = tl.exp``, used by the KDA kernels) gets that
+      global patched too for the launch (the interpreter patches ``tl.exp`` itself, so
+      the alias would call the compiler-only builtin);
+    * a nested ``@triton.jit`` helper call inside a running launch does not re-patch
+      the languages the launch already patched (Triton redoes it per call: a third of
+      the interpreter's time on these kernels), and what a nested call does patch is
+      restored when the launch ends (Triton leaves ``triton.language.core`` patched,
+      which breaks the TTIR generation of Dynamo's mutation analysis afterwards).
+
+    And ``tl.dot`` of bf16 operands widens them to fp32 first: Triton 3.6's interpreter
+    would multiply their uint16 storage."""
+    import inspect
+    import sys
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    builtin_names = {id(getattr(tl, n)): n for n in dir(tl) if tl.core.is_builtin(getattr(tl, n, None))}
+    aliases: dict[str, list[tuple[str, str]]] = {}  # module -> [(its global, tl's name)]
+    launch: dict[str, Any] = {}  # while a launch runs: "langs" it patched, its "scope"
+
+    class Unchanged:
+        def restore(self) -> None:
+            pass
+
+    def module_aliases(fn: Callable) -> list[tuple[str, str]]:
+        found = aliases.get(fn.__module__)
+        if found is None:
+            found = aliases[fn.__module__] = [
+                (name, builtin_names[id(v)]) for name, v in list(fn.__globals__.items())
+                if id(v) in builtin_names and not name.startswith("__")]
+        return found
+
+    def patch_lang_once(fn: Callable):
+        if "langs" not in launch:
+            return patch_lang(fn)  # not inside GridExecutor.__call__: Triton's own behaviour
+        used = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
+        if "scope" in launch and used <= launch["langs"]:
+            scope = Unchanged()
+        else:
+            scope = patch_lang(fn)
+            launch["langs"] |= used
+            if "scope" in launch:  # Triton never restores a nested call's patches: the launch does
+                launch["nested"].append(scope)
+            else:
+                launch["scope"], launch["nested"], restore = scope, [], scope.restore
+
+                def restore_all() -> None:
+                    for nested in reversed(launch["nested"]):
+                        nested.restore()
+                    restore()
+                scope.restore = restore_all
+        for name, builtin in module_aliases(fn):
+            launch["scope"].set_attr(sys.modules[fn.__module__], name, getattr(tl, builtin))
+        return scope
+
+    def run_grid(self, *args: Any, **kwargs: Any) -> Any:
+        launch["langs"] = set()
+        try:
+            return grid_call(self, *args, **kwargs)  # restores the launch's scope when done
+        finally:
+            launch.clear()
+
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = run_grid
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widened(x):
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_bf16
+
+
+@_shim("has_triton", "torch.utils._triton.has_triton() is True (it wants a GPU, or Triton's CPU backend), so Dynamo "
+       "captures vLLM's Triton launches as it does on CUDA")
+def _has_triton() -> None:
+    import torch.utils._triton as triton_utils
+
+    triton_utils.has_triton = lambda: True
+
+
+def _prefill_kernel_arg_names() -> None:
+    """Evaluate ``VllmTritonJitKernel._kernel_arg_names`` (a ``functools.cached_property``)
+    of every such kernel object in vLLM's modules once, eagerly: on Python 3.11 the
+    first evaluation takes a lock, which Dynamo cannot trace."""
+    import sys
+
+    from vllm.model_executor.warmup.jit_warmup_triton_helper import VllmTritonJitKernel
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.") and module is not None:
+            for value in list(vars(module).values()):
+                if isinstance(value, VllmTritonJitKernel):
+                    value._kernel_arg_names  # noqa: B018  (fills the cached property)
+
+
+SHIMS["VllmTritonJitKernel arg names"] = (
+    "vLLM's Triton kernel owners (fused_q_kv_rmsnorm) cache their argument names in a functools.cached_property; "
+    "filled before compiling (Python 3.11's cached_property takes a lock Dynamo cannot trace)")
+
+
+@_shim("Triton mutation analysis for sm_90", "Dynamo finds which tensors a Triton launch writes from the kernel's "
+       "TTIR, which needs an active Triton driver: while it generates TTIR, a stand-in driver names H200's target "
+       "(cuda, sm_90), so triton_kernel_wrapper_functional clones only what the kernel writes, as on H200 (without "
+       "it Dynamo assumes every tensor argument is written)")
+def _ttir_for_sm90() -> None:
+    from torch._higher_order_ops import triton_kernel_wrap
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    generate_ttir = triton_kernel_wrap.generate_ttir
+    if getattr(generate_ttir, "kimi_inductor", False):
+        return
+
+    class SM90Driver:
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+    def generate_ttir_sm90(*args: Any, **kwargs: Any):
+        active = driver._active
+        driver.set_active(SM90Driver())
+        try:
+            return generate_ttir(*args, **kwargs)
+        finally:
+            driver._active = active
+
+    generate_ttir_sm90.kimi_inductor = True
+    triton_kernel_wrap.generate_ttir = generate_ttir_sm90
+
+
+# ------------------------------------------------------- CPU stand-ins for _C ops
+# vLLM's compiled extensions (_C, _moe_C) are absent from a CPU install of its CUDA
+# wheel. The ops K3's decode reaches are defined here under vLLM's own names and
+# schemas (so the graph spells them as vLLM does on CUDA), each with a CPU
+# implementation of what the CUDA kernel computes and a fake (meta) kernel.
+_LIBS: dict[str, torch.library.Library] = {}
+
+
+def _define(qualname: str, schema: str, impl: Callable) -> None:
+    namespace, name = qualname.split("::")
+    if hasattr(getattr(torch.ops, namespace), name):
+        return  # vLLM's own extension is loaded
+    lib = _LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+    lib.define(f"{name}{schema}")
+    lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualname, lambda *args, **kwargs: None, lib=lib)
+
+
+def _mla_q_concat_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, mqa_q, kv_cache, slot_mapping, block_size,
+                               positions=None, cos_sin_cache=None) -> None:
+    """mqa_q = [ql_nope | q_pe]; the latent [kv_c_normed | k_pe] of each row with a
+    slot (>= 0) goes into the paged cache (K3's MLA is NoPE: no rotation)."""
+    if positions is not None or cos_sin_cache is not None:
+        raise NotImplementedError("the CPU stand-in does not apply RoPE (Kimi K3's MLA is NoPE)")
+    mqa_q.copy_(torch.cat([ql_nope, q_pe], dim=-1))
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    keep = slot_mapping >= 0
+    latent = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
+    flat[slot_mapping[keep].long()] = latent[keep].to(flat.dtype)
+
+
+def _mla_decode_kvcache(out, query, kv_cache, scale, block_tables, seq_lens) -> None:
+    """Latent MQA decode over the paged cache (what the CPU MLA backend's kernel and
+    FlashMLA compute): per request, softmax(q . K^T * scale) . V with K the whole latent
+    row and V its first ``out.shape[-1]`` values; fp32 accumulation."""
+    block_size, rank = kv_cache.shape[-2], out.shape[-1]
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    for b in range(query.shape[0]):
+        n = int(seq_lens[b])
+        pos = torch.arange(n)
+        rows = block_tables[b].long()[pos // block_size] * block_size + pos % block_size
+        keys = flat[rows].float()
+        probs = torch.softmax(query[b].float() @ keys.T * scale, dim=-1)
+        out[b] = (probs @ keys[:, :rank]).to(out.dtype)
+
+
+def _situ_and_mul(out, x, beta, linear_beta) -> None:
+    """beta tanh(gate / beta) sigmoid(gate) * up, up soft-clipped by linear_beta when > 0
+    (vLLM's SituAndMul.forward_native formula, fp32)."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d].float(), x[..., d:].float()
+    gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta > 0:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    out.copy_((gate * up).to(out.dtype))
+
+
+def _moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids, num_tokens_post_pad,
+                          expert_map=None, scatter_idx=None) -> None:
+    """Group the flattened top-k slots by expert, each expert's group padded to a
+    multiple of ``block_size`` with the sentinel ``topk_ids.numel()``; ``experts_ids``
+    names each block's expert. With ``expert_map`` (EP, invalid experts ignored) slots
+    routed to other ranks' experts are left out and blocks carry local expert ids."""
+    if scatter_idx is not None:
+        raise NotImplementedError("scatter_idx")
+    flat = topk_ids.reshape(-1).long()
+    sentinel = flat.numel()
+    sorted_token_ids.fill_(sentinel)
+    experts_ids.fill_(-1)
+    pos = 0
+    for e in range(num_experts):
+        local = e if expert_map is None else int(expert_map[e])
+        if local < 0:
+            continue
+        slots = (flat == e).nonzero().reshape(-1)
+        if slots.numel() == 0:
+            continue
+        padded = -(-slots.numel() // block_size) * block_size
+        sorted_token_ids[pos:pos + slots.numel()] = slots.to(sorted_token_ids.dtype)
+        experts_ids[pos // block_size:(pos + padded) // block_size] = local
+        pos += padded
+    num_tokens_post_pad.fill_(pos)
+
+
+def _moe_sum(input, output, topk_ids=None, expert_map=None) -> None:
+    """Sum the top-k slot outputs [T, k, H] per row; with ``expert_map`` only the slots
+    whose expert lives on this rank."""
+    if expert_map is not None:
+        local = expert_map[topk_ids.long()] >= 0
+        input = torch.where(local[..., None], input, torch.zeros((), dtype=input.dtype))
+    output.copy_(input.sum(dim=1).to(output.dtype))
+
+
+@_shim("_C/_moe_C stand-ins", "CPU implementations (+ fake kernels) under vLLM's names for the extension ops K3's "
+       "decode reaches: _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert, _C::mla_decode_kvcache (the CPU "
+       "MLA backend's forward_mqa kernel), _C::situ_and_mul, _moe_C::moe_align_block_size, _moe_C::moe_sum")
+def _extension_standins() -> None:
+    _define("_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert",
+            "(Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) mqa_q, Tensor(b!) kv_cache, "
+            "Tensor slot_mapping, int block_size, Tensor? positions=None, Tensor? cos_sin_cache=None) -> ()",
+            _mla_q_concat_cache_insert)
+    _define("_C::mla_decode_kvcache",
+            "(Tensor(a!) out, Tensor query, Tensor kv_cache, float scale, Tensor block_tables, Tensor seq_lens) -> ()",
+            _mla_decode_kvcache)
+    _define("_C::situ_and_mul", "(Tensor(a!) out, Tensor input, float beta, float linear_beta) -> ()",
+            _situ_and_mul)
+    _define("_moe_C::moe_align_block_size",
+            "(Tensor topk_ids, int num_experts, int block_size, Tensor(a!) sorted_token_ids, "
+            "Tensor(b!) experts_ids, Tensor(c!) num_tokens_post_pad, Tensor? maybe_expert_map=None, "
+            "Tensor(d!)? maybe_scatter_idx=None) -> ()", _moe_align_block_size)
+    _define("_moe_C::moe_sum", "(Tensor input, Tensor(a!) output, Tensor? topk_ids=None, Tensor? expert_map=None) -> ()",
+            _moe_sum)
+
+
+# ------------------------------------------------------------------------ checkpoint
+# vLLM's MLA metadata builders and decode kernels take only DeepSeek's latent head
+# (kv_lora_rank 512 + rope 64 = 576, block size 16), so the tiny vLLM model uses it.
+MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+BLOCK_SIZE = 16
+
+
+def config_for(preset: str = "tiny", layers: int | None = None):
+    """Our replica's config for ``preset`` with the MLA latent vLLM's CPU path needs;
+    ``layers``: keep the first ``layers`` layers, with K3's schedule for that depth
+    (attention every 4th layer and the last; 5 layers: KDA 0-2, MLA 3-4, dense layer 0,
+    two AttnRes blocks)."""
+    from .stock import KimiK3Config
+    from .stock.config import _schedule
+
+    config = KimiK3Config.preset(preset).replace(**MLA_DIMS)
+    if layers is not None:
+        kda, full = _schedule(layers)
+        attn = {**config.linear_attn_config, "kda_layers": kda, "full_attn_layers": full}
+        dsa = None if config.dsa_config is None else {**config.dsa_config, "dsa_layers": full}
+        config = config.replace(num_hidden_layers=layers, linear_attn_config=attn, dsa_config=dsa)
+    return config
+
+
+@functools.cache
+def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None) -> Path:
+    """A checkpoint folder (config.json + model.safetensors) of our replica's random
+    weights for ``config_for(preset, layers)``, written once per process."""
+    from .stock.checkpoint import random_checkpoint, save_checkpoint
+
+    config = config_for(preset, layers)
+    path = Path(tempfile.mkdtemp(prefix=f"kimi-vllm-{preset}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    save_checkpoint(path, config, random_checkpoint(config, seed))
+    return path
+
+
+# ----------------------------------------------------------------------------- build
+def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256):
+    """A ``VllmConfig`` for the checkpoint at ``path``: TP ``tp``, PP 1, expert parallel
+    on (with DP > 1 this is the layout that runs K3 sequence-parallel on H200), bf16,
+    prefix caching off, eager (vLLM compiles nothing itself; ``capture`` does)."""
+    from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, KernelConfig, ModelConfig,
+                             ParallelConfig, VllmConfig)
+
+    return VllmConfig(
+        model_config=ModelConfig(model=str(path), skip_tokenizer_init=True, max_model_len=max_model_len,
+                                 dtype="bfloat16"),
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=True),
+        cache_config=CacheConfig(enable_prefix_caching=False, mamba_cache_mode="none", block_size=BLOCK_SIZE),
+        compilation_config=CompilationConfig(mode=0),
+        kernel_config=KernelConfig(moe_backend="triton"))  # H200's unquantized MoE backend
+
+
+def _cuda_environment() -> None:
+    """Undo what the CPU platform's config check put in the environment that CUDA does
+    not: ``VLLM_SSM_CONV_STATE_LAYOUT=SD`` (the default layout anyway; set, it makes
+    every KDA forward log once, which Dynamo cannot trace)."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    if os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") == "SD":
+        del os.environ["VLLM_SSM_CONV_STATE_LAYOUT"]
+        mamba_utils.get_conv_state_layout.cache_clear()
+
+
+SHIMS["conv state layout env"] = ("the CPU platform sets VLLM_SSM_CONV_STATE_LAYOUT=SD (the default); unset again, "
+                                  "as on CUDA, since with it set every KDA forward logs (a Dynamo graph break)")
+
+
+def _init_distributed(vllm_config, tp: int, rank: int, group: str, sp: bool) -> None:
+    import torch.distributed as dist
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import parallel_state
+
+    if group == "gloo":
+        if not dist.is_initialized() or dist.get_world_size() != tp:
+            raise RuntimeError(f"group='gloo' needs torch.distributed initialised with {tp} ranks (run_ranks)")
+        rank = dist.get_rank()
+    elif group == "fake":
+        if dist.is_initialized():
+            raise RuntimeError("group='fake' starts its own fake process group; torch.distributed is initialised")
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp)
+    else:
+        raise ValueError(f"group must be 'fake' or 'gloo', got {group!r}")
+    backend = dist.get_backend()
+    with _fake_subgroups(group == "fake"):
+        if parallel_state._WORLD is None:
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend=backend)
+        initialize_model_parallel(tensor_model_parallel_size=tp, backend=backend)
+        if sp and tp > 1:
+            _ep_all2all()
+
+
+def _ep_all2all() -> None:
+    """The EP group's all-gather / reduce-scatter dispatcher, which vLLM creates when its
+    config has DP > 1 (``ParallelConfig.use_all2all``). The DP replicas themselves are
+    not simulated: EP spans the TP ranks."""
+    from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+    from vllm.distributed.parallel_state import get_ep_group
+
+    communicator = get_ep_group().device_communicator
+    if communicator is not None and communicator.all2all_manager is None:
+        communicator.all2all_manager = AgRsAll2AllManager(get_ep_group().cpu_group)
+
+
+@contextlib.contextmanager
+def _fake_subgroups(active: bool) -> Iterator[None]:
+    """In a fake world, vLLM's gloo CPU groups and shared-memory broadcaster are fake too."""
+    if not active:
+        yield
+        return
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    new_group, create = dist.new_group, shm_broadcast.MessageQueue.create_from_process_group
+
+    def fake_new_group(*args: Any, **kwargs: Any):
+        kwargs["backend"] = "fake"
+        return new_group(*args, **kwargs)
+
+    dist.new_group = fake_new_group
+    shm_broadcast.MessageQueue.create_from_process_group = staticmethod(lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        dist.new_group = new_group
+        shm_broadcast.MessageQueue.create_from_process_group = create
+
+
+def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", preset: str = "tiny",
+          layers: int | None = None, seed: int = 0):
+    """``(vllm_config, model)``: vLLM's ``KimiLinearForCausalLM`` (its backbone is
+    ``model.model``, a ``KimiLinearModel``) on this rank, with our replica's random
+    weights for ``preset`` loaded through vLLM's ``load_weights``, and its caches bound.
+
+    ``sp``: at TP > 1, build in vLLM's sequence-parallel layout (PP 1, EP on and DP 2
+    while the layers are constructed, which is what makes vLLM choose SP without
+    MegaMoE); otherwise plain TP. ``group``: ``"fake"`` starts a fake process group of
+    ``tp`` ranks (capture only) as ``rank``; ``"gloo"`` uses the caller's world. Once per
+    process (vLLM's distributed state and layer registry are global)."""
+    install()
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from .stock.checkpoint import load_checkpoint
+    from . import vllm_k3
+
+    path = checkpoint(preset, seed, layers)
+    vllm_config = vllm_config_for(path, tp)
+    _cuda_environment()
+    with set_current_vllm_config(vllm_config):
+        _init_distributed(vllm_config, tp, rank, group, sp)
+        parallel = vllm_config.parallel_config
+        dp = parallel.data_parallel_size
+        if sp and tp > 1:
+            parallel.data_parallel_size = 2
+        try:
+            with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+                model = vllm_k3.KimiLinearForCausalLM(vllm_config=vllm_config)
+        finally:
+            parallel.data_parallel_size = dp
+        _, tensors = load_checkpoint(path)
+        loaded = model.load_weights(iter(tensors.items()))
+        missing = {n for n, _ in model.named_parameters()} - set(loaded)
+        if missing:
+            raise RuntimeError(f"vLLM's load_weights left {len(missing)} parameters unloaded: {sorted(missing)[:5]}")
+        process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+    model.eval()
+    return vllm_config, model
+
+
+# --------------------------------------------------------------------------- decode
+def _layers(vllm_config) -> dict[str, Any]:
+    """vLLM's attention layers by name (KDA and MLA), from its static forward context
+    (which also holds the MoE runners that ``moe_forward`` looks up by name)."""
+    from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    return {name: layer for name, layer in vllm_config.compilation_config.static_forward_context.items()
+            if isinstance(layer, (KimiK3DeltaAttention, MultiHeadLatentAttention))}
+
+
+def _is_kda(layer: Any) -> bool:
+    from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+
+    return isinstance(layer, KimiK3DeltaAttention)
+
+
+@dataclass
+class DecodeBatch:
+    """A fixed batch of decoding requests plus CUDA-graph padding rows, stepped like
+    vLLM's runner steps it (caches start empty; prefill is out of scope).
+
+    Request r owns KDA state slot ``1 + r`` and MLA blocks ``1 + r * blocks_per_request
+    ...`` (slot and block 0 are vLLM's null block); a padding row has no request: it is
+    beyond ``num_actual_tokens``, its MLA slot is ``PAD_SLOT_ID`` and
+    ``forward_context.is_padding`` marks it (the MoE skips it)."""
+
+    requests: int
+    padding: int
+    vocab: int
+    max_context: int
+    seed: int = 0
+    context: torch.Tensor = field(init=False)
+    gen: torch.Generator = field(init=False)
+    caches: dict[str, Any] = field(init=False, default_factory=dict)  # layer name -> bound cache tensor(s)
+
+    def __post_init__(self) -> None:
+        self.context = torch.zeros(self.requests, dtype=torch.int64)
+        self.gen = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def rows(self) -> int:
+        return self.requests + self.padding
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-self.max_context // BLOCK_SIZE)
+
+    @property
+    def num_blocks(self) -> int:
+        return 1 + self.requests * self.blocks_per_request
+
+    @property
+    def num_slots(self) -> int:
+        return 1 + self.requests
+
+
+@dataclass
+class Step:
+    """One decode step's inputs and vLLM metadata (``forward_context`` sets them)."""
+
+    input_ids: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    attn_metadata: dict[str, Any]  # layer name -> vLLM metadata from its own builders
+    slot_mapping: dict[str, torch.Tensor]  # MLA layer name -> [rows] (PAD_SLOT_ID on padding)
+    is_padding: torch.Tensor  # [rows] bool
+    num_actual_tokens: int
+
+
+def allocate_caches(model, vllm_config, batch: DecodeBatch) -> dict[str, Any]:
+    """Zeroed caches for every attention layer, bound as vLLM binds them: MLA through
+    its ``bind_kv_cache`` ([blocks, 1, block_size, kv_lora_rank + rope] latent pages);
+    KDA as ``bind_kv_cache`` lays a state slot's page out (conv state, then recurrent
+    state, as dtype views of int8 pages of the same size and strides), except that each
+    state gets pages of its own (``SHIMS["KDA state pages"]``)."""
+    from math import prod
+
+    caches: dict[str, torch.Tensor] = {}
+    for name, layer in _layers(vllm_config).items():
+        if _is_kda(layer):
+            shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
+            sizes = [prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+            states, offset = [], 0
+            for shape, dtype, size in zip(shapes, dtypes, sizes):
+                pages = torch.zeros(batch.num_slots, sum(sizes), dtype=torch.int8)
+                states.append(pages[:, offset:offset + size].view(dtype).view(-1, *shape))
+                offset += size
+            layer.kv_cache = tuple(states)
+            caches[name] = states
+        else:
+            raw = torch.zeros(batch.num_blocks, 1, BLOCK_SIZE, layer.head_size, dtype=torch.bfloat16)
+            layer.bind_kv_cache(raw)
+            caches[name] = raw
+    return caches
+
+
+SHIMS["KDA state pages"] = (
+    "vLLM binds a KDA layer's conv (bf16) and recurrent (fp32) states as dtype views of ONE int8 page tensor; "
+    "AOTAutograd refuses graph inputs mutated through views of one base with different dtypes, so here each state "
+    "has its own pages (same shapes, dtypes and strides). A compiled vLLM deployment hits this refusal (see docs)")
+
+
+def decode_batch(model, vllm_config, rows: int = 3, padding: int = 1, max_context: int = 64,
+                 seed: int = 0) -> DecodeBatch:
+    """A ``DecodeBatch`` of ``rows`` live requests and ``padding`` padding rows, with the
+    model's caches allocated and bound for it (zeroed)."""
+    batch = DecodeBatch(rows, padding, vllm_config.model_config.hf_text_config.vocab_size, max_context, seed)
+    batch.caches = allocate_caches(model, vllm_config, batch)
+    return batch
+
+
+def restart(batch: DecodeBatch) -> None:
+    """Back to the first step: caches zeroed (in place: a compiled graph keeps reading
+    the same tensors), contexts and token ids as at the start."""
+    for cache in batch.caches.values():
+        for t in cache if isinstance(cache, list) else [cache]:
+            t.zero_()
+    batch.__post_init__()
+
+
+def next_step(vllm_config, batch: DecodeBatch) -> Step:
+    """The next decode step of ``batch``: token ids (seeded), positions, and metadata from
+    vLLM's own builders (``KimiK3KDAMetadataBuilder`` for KDA, the MLA backend's builder
+    for MLA) over a ``CommonAttentionMetadata`` per KV-cache group. Advances the batch
+    (every request accepts its token)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+    R, T = batch.requests, batch.rows
+    ctx = batch.context
+    ids = torch.randint(0, batch.vocab, (T,), generator=batch.gen)
+    ids[R:] = 0
+    positions = torch.zeros(T, dtype=torch.int64)
+    positions[:R] = ctx
+    live = torch.arange(R)
+    table = (1 + live[:, None] * batch.blocks_per_request + torch.arange(batch.blocks_per_request)).int()
+    slots = torch.full((T,), PAD_SLOT_ID, dtype=torch.int64)
+    slots[:R] = table.long().gather(1, (ctx // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + ctx % BLOCK_SIZE
+    seq_lens = (ctx + 1).int()
+    qsl = torch.arange(R + 1, dtype=torch.int32)
+
+    def common(block_table: torch.Tensor, slot_mapping: torch.Tensor) -> CommonAttentionMetadata:
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=R,
+            num_actual_tokens=R, max_query_len=1, max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table, slot_mapping=slot_mapping, positions=positions[:R],
+            seq_lens_cpu_upper_bound=seq_lens.clone(), is_prefilling=torch.zeros(R, dtype=torch.bool))
+
+    kda_common = common((1 + live[:, None]).int(), (1 + live).long())
+    mla_common = common(table, slots[:R])
+    metadata, slot_mapping = {}, {}
+    for name, builder in _builders(vllm_config).items():
+        is_kda = _is_kda(_layers(vllm_config)[name])
+        metadata[name] = builder.build(0, kda_common if is_kda else mla_common)
+        if not is_kda:
+            slot_mapping[name] = slots
+    is_padding = torch.zeros(T, dtype=torch.bool)
+    is_padding[R:] = True
+    batch.context = ctx + 1
+    return Step(ids, positions, metadata, slot_mapping, is_padding, R)
+
+
+def _builders(vllm_config) -> dict[str, Any]:
+    """One metadata builder per layer (vLLM builds one per KV-cache group; the metadata
+    is the same), created once per config."""
+    cache = vllm_config.__dict__.setdefault("_kimi_cpu_builders", {})
+    if not cache:
+        for name, layer in _layers(vllm_config).items():
+            spec = layer.get_kv_cache_spec(vllm_config)
+            cls = layer.get_attn_backend().get_builder_cls()
+            cache[name] = cls(spec, [name], vllm_config, torch.device("cpu"))
+    return cache
+
+
+@contextlib.contextmanager
+def forward_context(vllm_config, step: Step) -> Iterator[None]:
+    """vLLM's forward context for ``step`` (attention metadata and slot mapping by
+    layer, the padding mask), with ``vllm_config`` current."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with set_current_vllm_config(vllm_config), set_forward_context(
+            step.attn_metadata, vllm_config, num_tokens=len(step.input_ids), slot_mapping=step.slot_mapping,
+            is_padding=step.is_padding):
+        yield
+
+
+def eager_step(model, vllm_config, step: Step) -> torch.Tensor:
+    """vLLM's backbone forward for ``step``, eagerly, as vLLM runs it: pre-norm hidden
+    states [rows, hidden] (the padding rows hold whatever vLLM leaves there)."""
+    with torch.no_grad(), forward_context(vllm_config, step):
+        return model.model(step.input_ids, step.positions, None)
+
+
+# --------------------------------------------------------------------------- capture
+class _Recorder:
+    """An Inductor post-grad custom pass that records the graph it is handed: the
+    graph ``KimiPasses`` sees when ``kimi_specialized`` compiles (backend.py)."""
+
+    def __init__(self, on_graph: Callable[[fx.GraphModule], None] | None):
+        self.graphs: list[fx.GraphModule] = []
+        self.on_graph = on_graph
+
+    def __call__(self, graph: fx.Graph) -> None:
+        copy = fx.Graph()
+        copy.output(copy.graph_copy(graph, {}))
+        gm = fx.GraphModule(graph.owning_module, copy)  # Inductor rewrites the graph it was handed later on
+        self.graphs.append(gm)
+        if self.on_graph is not None:
+            self.on_graph(gm)
+
+    def uuid(self) -> str:
+        return f"kimi-vllm-cpu-recorder-{id(self)}"
+
+
+def _capture_backend(recorder: _Recorder) -> Callable:
+    """Dynamo backend: AOTAutograd and Inductor's post-grad passes (``recorder`` as the
+    custom post pass, where ``kimi_specialized`` runs ``KimiPasses``), then the
+    post-grad graph runs as is (no code generation), so the capture also runs."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from .backend import _eager_inner
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        class Pass(CustomGraphPass):
+            def __call__(self, graph: fx.Graph) -> None:
+                recorder(graph)
+
+            def uuid(self) -> str:
+                return recorder.uuid()
+
+        return compile_fx(gm, example_inputs, inner_compile=_eager_inner,
+                          config_patches={"post_grad_custom_post_pass": Pass(), "fx_graph_cache": False})
+
+    return backend
+
+
+@dataclass
+class Compiled:
+    """vLLM's backbone compiled with ``torch.compile(fullgraph=True, dynamic=False)``:
+    call ``step(vllm_config, step)``; ``graphs`` holds the post-grad graphs recorded
+    (``backend="capture"``), ``backend`` the backend object or name."""
+
+    fn: Callable
+    backend: Any
+    graphs: list[fx.GraphModule] = field(default_factory=list)
+    inductor_config: dict[str, Any] = field(default_factory=dict)
+
+    def step(self, vllm_config, step: Step) -> torch.Tensor:
+        with torch.no_grad(), forward_context(vllm_config, step), torch._inductor.config.patch(self.inductor_config):
+            return self.fn(step.input_ids, step.positions, None)
+
+
+def compile_backbone(model, backend: str | Callable = "capture", options: dict[str, Any] | None = None,
+                     on_graph: Callable[[fx.GraphModule], None] | None = None,
+                     inductor_config: dict[str, Any] | None = None) -> Compiled:
+    """Compile ``model.model`` (vLLM's ``KimiLinearModel``) with fullgraph Dynamo,
+    ``dynamic=False``.
+
+    ``backend="capture"``: AOTAutograd + Inductor's post-grad passes with a recorder as
+    the post-grad custom pass (``on_graph`` is called with each graph); the graph then
+    runs without code generation. ``backend="kimi_specialized"``: our backend with
+    ``options`` (e.g. ``{"compiler": "eager"}``); any other Dynamo backend as given.
+    ``inductor_config``: ``torch._inductor.config`` patched while compiling and running
+    (``{"pattern_matcher": False}`` keeps Inductor's own rewrites, such as mm + add ->
+    addmm, out of a bitwise comparison). Compilation happens at the first ``step``."""
+    torch._dynamo.reset()
+    _prefill_kernel_arg_names()
+    graphs: list[fx.GraphModule] = []
+    if backend == "capture":
+        recorder = _Recorder(on_graph)
+        graphs = recorder.graphs
+        backend = _capture_backend(recorder)
+        fn = torch.compile(model.model, backend=backend, fullgraph=True, dynamic=False)
+    elif backend == "kimi_specialized":
+        from .backend import KimiSpecialized
+
+        backend = KimiSpecialized(options)
+        fn = torch.compile(model.model, backend=backend, fullgraph=True, dynamic=False)
+    else:
+        fn = torch.compile(model.model, backend=backend, fullgraph=True, dynamic=False, options=options)
+    return Compiled(fn, backend, graphs, dict(inductor_config or {}))
+
+
+def capture(model, vllm_config, step: Step, on_graph: Callable[[fx.GraphModule], None] | None = None
+            ) -> tuple[list[fx.GraphModule], torch.Tensor]:
+    """Compile vLLM's backbone for ``step`` and run it once: (post-grad graphs as our
+    passes see them, the step's hidden states)."""
+    compiled = compile_backbone(model, "capture", on_graph=on_graph)
+    out = compiled.step(vllm_config, step)
+    return compiled.graphs, out
+
+
+# --------------------------------------------------------------------------- checks
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """Calls in a captured graph by name: ``call_function`` targets as ``str(target)``
+    (``vllm.all_gather.default``, ``vllm.moe_forward_shared.default``, ...), plus
+    ``triton:<module>.<kernel>`` per Triton launch (the kernel from Dynamo's side table)
+    and ``functionalized:<op>`` per mutating op behind ``auto_functionalized_v2``."""
+    from collections import Counter
+
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    counts: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        counts[str(node.target)] += 1
+        if "triton_kernel_wrapper" in str(node.target):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            fn = getattr(kernel, "fn", kernel)
+            counts[f"triton:{fn.__module__}.{fn.__qualname__}"] += 1
+        elif "auto_functionalized" in str(node.target):
+            counts[f"functionalized:{node.args[0]._schema.name}"] += 1
+    return dict(counts)
+
+
+def weight_mismatches(model, preset: str = "tiny", layers: int | None = None, seed: int = 0) -> list[str]:
+    """Parameters of vLLM's model (TP 1) that differ from our replica's built from the
+    same checkpoint (names as vLLM's, its ``experts.routed_experts.`` as our
+    ``experts.``); parameters only one side has (vLLM's absorbed MLA weights and scales,
+    for one) are not compared."""
+    from .stock.checkpoint import build_model, load_checkpoint
+
+    config, tensors = load_checkpoint(checkpoint(preset, seed, layers))
+    ours = dict(build_model(config, tensors).named_parameters())
+    bad = []
+    for name, theirs in model.named_parameters():
+        mine = ours.get(name.replace(".experts.routed_experts.", ".experts."))
+        if mine is not None and (mine.shape != theirs.shape or not torch.equal(mine.to(theirs.dtype), theirs)):
+            bad.append(name)
+    compared = sum(n.replace(".experts.routed_experts.", ".experts.") in ours for n, _ in model.named_parameters())
+    if compared < len(ours):
+        bad.append(f"only {compared} of our {len(ours)} parameters have a vLLM counterpart")
+    return bad
