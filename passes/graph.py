@@ -14,6 +14,8 @@ tensors_to_clone)`` returning ``{name: new value}`` of every tensor it may write
 
 from __future__ import annotations
 
+import inspect
+
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -192,7 +194,7 @@ class MetaUpdater:
     def __init__(self, gm: fx.GraphModule):
         from torch._inductor.fx_utils import FakeTensorUpdater
 
-        self.gm, self.updater = gm, FakeTensorUpdater(gm)
+        self.gm, self.updater = gm, FakeTensorUpdater(_updater_arg(FakeTensorUpdater, gm))
 
     def update(self) -> int:
         from torch._guards import detect_fake_mode
@@ -206,6 +208,13 @@ class MetaUpdater:
             if "eager_input_vals" in node.meta:
                 node.meta["eager_input_vals"] = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
         return updated
+
+
+def _updater_arg(updater: type, gm: fx.GraphModule):
+    """What ``FakeTensorUpdater`` takes: the GraphModule (torch >= 2.12) or its graph
+    (torch 2.11, what the H200 machines run)."""
+    params = list(inspect.signature(updater.__init__).parameters)
+    return gm.graph if params[1:2] == ["graph"] else gm
 
 
 def op_name(node: fx.Node) -> str:
