@@ -87,7 +87,7 @@ if triton is not None:
         t_rows = (r * Q + rows // N).to(tl.int64)
         q = tl.load(q_ptr + (t_rows * N + rows % N)[:, None] * D + dims[None, :], mask=in_q[:, None], other=0.0)
         if DOT_F32:
-            logits = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)))
+            logits = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
         else:
             logits = tl.dot(q, tl.trans(keys))  # [QN, BP] fp32
         w = tl.load(w_ptr + t_rows * N + rows % N, mask=in_q, other=0.0)

@@ -14,6 +14,7 @@ tensors_to_clone)`` returning ``{name: new value}`` of every tensor it may write
 
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -192,7 +193,7 @@ class MetaUpdater:
     def __init__(self, gm: fx.GraphModule):
         from torch._inductor.fx_utils import FakeTensorUpdater
 
-        self.gm, self.updater = gm, FakeTensorUpdater(gm)
+        self.gm, self.updater = gm, FakeTensorUpdater(_updater_arg(FakeTensorUpdater, gm))
 
     def update(self) -> int:
         from torch._guards import detect_fake_mode
@@ -201,11 +202,12 @@ class MetaUpdater:
         nodes = self.gm.graph.nodes
         # FakeTensorUpdater compares dict results by their keys only, so it would keep a
         # Triton launch's old outputs: re-run every launch and its getitems.
+        processed = self.updater.processed_hashes
         for node in nodes:
             if node.target is triton_kernel_wrapper_functional:
                 node.meta.pop("val", None)
                 for n in (node, *node.users):
-                    self.updater.processed_hashes.discard(self.updater.hash_node(n))
+                    processed.discard(self.updater.hash_node(n))
         mode = detect_fake_mode([n.meta.get("val") for n in nodes if n.op == "placeholder"])
         with V.set_fake_mode(mode):
             updated = self.updater.incremental_update()
@@ -213,6 +215,13 @@ class MetaUpdater:
             if "eager_input_vals" in node.meta:
                 node.meta["eager_input_vals"] = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
         return updated
+
+
+def _updater_arg(updater: type, gm: fx.GraphModule):
+    """What ``FakeTensorUpdater`` takes: the GraphModule (torch >= 2.12) or its graph
+    (torch 2.11, what the H200 machines run)."""
+    params = list(inspect.signature(updater.__init__).parameters)
+    return gm.graph if params[1:2] == ["graph"] else gm
 
 
 def op_name(node: fx.Node) -> str:

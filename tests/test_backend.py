@@ -190,3 +190,30 @@ def test_report_survives_an_inductor_cache_hit():
         reports.append(backend.report)
     assert reports[0].to_dict() == reports[1].to_dict()
     assert reports[1].reason.startswith("not a Kimi K3 decoder graph")
+
+
+def test_meta_updater_passes_what_fake_tensor_updater_takes(monkeypatch):
+    """torch 2.11 (the H200 machines) builds Inductor's FakeTensorUpdater from a graph,
+    torch >= 2.12 from the GraphModule: every compile on the GPU failed with
+    "'<lambda>' object has no attribute 'nodes'" when it was given the GraphModule."""
+    import torch._inductor.fx_utils as fx_utils
+    from torch import fx
+
+    from kimi_inductor.passes.graph import MetaUpdater
+
+    gm = fx.symbolic_trace(torch.nn.Linear(4, 4))
+
+    class Graph211:  # torch 2.11's signature
+        def __init__(self, graph: fx.Graph):
+            assert isinstance(graph, fx.Graph)
+            self.graph = graph
+
+    class GraphModule212:  # torch >= 2.12's
+        def __init__(self, gm: fx.GraphModule):
+            assert isinstance(gm, fx.GraphModule)
+            self.gm = gm
+
+    monkeypatch.setattr(fx_utils, "FakeTensorUpdater", Graph211)
+    assert MetaUpdater(gm).updater.graph is gm.graph
+    monkeypatch.setattr(fx_utils, "FakeTensorUpdater", GraphModule212)
+    assert MetaUpdater(gm).updater.gm is gm

@@ -42,3 +42,24 @@ def test_dsa_radix_kernels_compile_for_sm90():
     sig = {**common, "out_ptr": "*i1", **ints, "Q": "constexpr", "C": "constexpr", "NCP": "constexpr"}
     src = ASTSource(dsa_index._radix_mask_kernel, sig, constexprs={"Q": 4, "C": dsa_index.RADIX_CHUNK, "NCP": 16})
     assert ".target sm_90" in triton.compile(src, target=SM90, options={"num_warps": 16}).asm["ptx"]
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("dot_f32", [False, True])
+def test_split_k_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
+    """fp32 operands (the fp32 model of the exact-function checks) take the IEEE fp32 dot:
+    ``tl.dot``'s fp32 default is TF32, which put the compiled fp32 decoder 1e-3 off fp32
+    stock at K3 shapes (docs/testing.md, "bf16 at K3 per-rank shapes")."""
+    import torch
+
+    from kimi_inductor.kernels.skinny_gemm import tl_dot
+
+    assert tl_dot.dot_f32(torch.float32) and tl_dot.dot_f32(torch.bfloat16) == tl_dot.INTERPRET
+    sig = {"x_ptr": "*fp32", "w_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*fp32", "ws_ptr": "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_acc": "i32",
+           "stride_out": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "SPLIT": "constexpr",
+           "HAS_ACC": "constexpr", "DOT_F32": "constexpr"}
+    cfg = tl_dot.config(8, 12288, 7168)
+    src = ASTSource(tl_dot._mm_kernel, sig, constexprs={**cfg, "HAS_ACC": False, "DOT_F32": dot_f32})
+    ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+    assert ("tf32" in ptx) != dot_f32

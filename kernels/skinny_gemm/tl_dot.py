@@ -3,7 +3,9 @@
 x is padded to BM >= 16 rows for ``tl.dot``; W is tiled into BN-column slabs (one program
 each) and, when that leaves too few programs to keep every SM streaming, K is split into
 SPLIT chunks whose fp32 partials a second kernel sums in a fixed order (deterministic).
-Under ``TRITON_INTERPRET=1`` the dot runs in fp32 (the interpreter's bf16 dot is wrong).
+Under ``TRITON_INTERPRET=1`` the dot runs in fp32 (the interpreter's bf16 dot is wrong), and
+so does it for fp32 operands (the fp32 model of the exact-function checks), in IEEE fp32:
+``tl.dot``'s default for fp32 is TF32, 1e-3 off at K = 7168 (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ if triton is not None:
             w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                         other=0.0)
             if DOT_F32:
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w))
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT == 1:
             if HAS_ACC:
@@ -68,6 +71,11 @@ if triton is not None:
         tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def dot_f32(dtype: torch.dtype) -> bool:
+    """Whether the dot runs in IEEE fp32: fp32 operands, or the interpreter."""
+    return INTERPRET or dtype == torch.float32
+
+
 def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     M, K = x.shape
     N = weight.shape[0]
@@ -78,7 +86,8 @@ def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -
     acc_arg = acc if acc is not None else out
     grid = (triton.cdiv(N, cfg["BN"]), split)
     _mm_kernel[grid](x, weight, acc_arg, out, ws, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0),
-                     out.stride(0), HAS_ACC=acc is not None, DOT_F32=INTERPRET, num_warps=4, num_stages=4, **cfg)
+                     out.stride(0), HAS_ACC=acc is not None, DOT_F32=dot_f32(x.dtype), num_warps=4, num_stages=4,
+                     **cfg)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(M * N, block),)](ws, acc_arg, out, M, N, acc_arg.stride(0), out.stride(0),

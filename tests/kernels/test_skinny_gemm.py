@@ -52,6 +52,19 @@ def test_skinny_mm_matches_torch(M, N, K, out_dtype, with_acc):
         check(got, want, out_dtype)
 
 
+@pytest.mark.parametrize("M", [8, 16])
+def test_split_k_gemm_on_fp32_operands_is_fp32(M):
+    """fp32 x and W (the fp32 model of the exact-function checks, where ``choose`` still
+    picks the split-K kernel): IEEE fp32 dots, as cuBLAS without TF32. With tl.dot's TF32
+    default the shared experts' gate_up (8 x 12288 x 7168) was 8e-4 off (H200)."""
+    N, K = (12288, 7168) if DEVICE == "cuda" else (32, 2048)
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * K**-0.5
+    want = x.double() @ w.double().t()
+    got = tl_dot.run(x.to(DEVICE), w.to(DEVICE), None, torch.float32).cpu().double()
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
