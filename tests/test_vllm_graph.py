@@ -249,11 +249,132 @@ def test_every_layer_of_vllms_sp_graph_becomes_the_hybrid_step(captured, tp):
 
 
 def test_snapshot_vllm_kda_attention_g2(captured):
-    assert_expected_inline(captured(2)["snapshots"][1], """""")
+    assert_expected_inline(captured(2)["snapshots"][1], """\
+%in0 = vllm.all_reduce(...)  : bf16[3, 128]
+%in1 = aten.mm(...)  : bf16[3, 128]
+%in2 = getitem  : bf16[3, 2, 128]
+%in3 = input  : bf16[128]
+%in4 = aten.squeeze(...)  : bf16[128]
+%in5 = input  : bf16[128]
+%in6 = aten.empty(...)  : bf16[3, 128]
+%in7 = aten.permute(...)  : bf16[128, 288]
+%in8 = aten.view(...)  : f32[192, 4]
+%in9 = aten.permute(...)  : bf16[3, 192, 3]
+%in10 = input  : i32[2]
+%in11 = aten.unsqueeze(...)  : bf16[2, 192, 1]
+%in12 = aten.permute(...)  : bf16[16, 64]
+%in13 = input  : f32[4]
+%in14 = input  : f32[64]
+%in15 = aten.empty(...)  : bf16[1, 2, 4, 16]
+%in16 = input  : f32[3, 4, 16, 16]
+%in17 = aten.select(...)  : bf16[3, 4, 16]
+%in18 = aten.empty(...)  : bf16[1, 3, 4, 16]
+%in19 = input  : bf16[16]
+%in20 = aten.empty(...)  : f32[12]
+%in21 = aten.permute(...)  : bf16[64, 128]
+%0 = triton._attn_res_kernel(prefix_ptr=%in0, delta_ptr=%in1, blocks_ptr=%in2, norm_weight_ptr=%in3, qk_weight_ptr=%in4, output_norm_weight_ptr=%in5, output_ptr=%in6, stride_prefix_m=128, stride_delta_m=128, stride_block_m=256, stride_block_r=128, stride_output_m=128, num_blocks=1, hidden_size=128, block_write_idx=-1, eps=1e-05, output_norm_eps=1e-05, HAS_DELTA=True, WRITE_BLOCK=False, APPLY_OUTPUT_NORM=True, BLOCK_L=1, BLOCK_D=128, launch_pdl=False, grid=[[3, 1, 1]])
+%1 = %0[output_ptr]  : bf16[3, 128]
+%2 = aten.mm(%1, %in7)  : bf16[3, 288]
+%3 = aten.split_with_sizes(%2, [192, 64, 16, 4, 12], -1)
+%4 = %3[0]  : bf16[3, 192]
+%5 = %3[1]  : bf16[3, 64]
+%6 = %3[2]  : bf16[3, 16]
+%7 = %3[3]  : bf16[3, 4]
+%8 = aten.slice(%4, 0, 0, 2)  : bf16[2, 192]
+%9 = aten.unsqueeze(%8, -1)  : bf16[2, 192, 1]
+%10 = triton._causal_conv1d_update_kernel(x_ptr=%9, w_ptr=%in8, conv_state_ptr=%in9, conv_state_indices_ptr=%in10, o_ptr=%in11, bias_ptr=None, num_accepted_tokens_ptr=None, query_start_loc_ptr=None, batch=2, dim=192, seqlen=1, state_len=3, num_cache_lines=3, stride_x_seq=288, stride_x_dim=1, stride_x_token=1, stride_w_dim=4, stride_w_width=1, stride_conv_state_seq=2624, stride_conv_state_dim=1, stride_conv_state_tok=192, stride_state_indices=1, stride_o_seq=192, stride_o_dim=1, stride_o_token=1, null_block_id=0, HAS_BIAS=False, KERNEL_WIDTH=4, SILU_ACTIVATION=True, IS_VARLEN=False, IS_SPEC_DECODING=False, NP2_STATELEN=4, HAS_NULL_BLOCK=True, BLOCK_N=256, launch_pdl=False, grid=[[2, 1, 1]])
+%11 = %10[o_ptr]  : bf16[2, 192, 1]
+%12 = aten.squeeze(%11, -1)  : bf16[2, 192]
+%13 = aten.unsqueeze(%12, -1)  : bf16[2, 192, 1]
+%14 = aten.squeeze(%13, -1)  : bf16[2, 192]
+%15 = aten.mm(%6, %in12)  : bf16[3, 64]
+%16 = aten.view(%15, [3, 4, 16])  : bf16[3, 4, 16]
+%17 = aten.view(%16, [1, 3, 4, 16])  : bf16[1, 3, 4, 16]
+%18 = aten.slice(%17, 1, 0, 2)  : bf16[1, 2, 4, 16]
+%19 = aten.unsqueeze(%7, 0)  : bf16[1, 3, 4]
+%20 = aten.slice(%19, 1, 0, 2)  : bf16[1, 2, 4]
+%21 = triton.fused_recurrent_kda_packed_decode_kernel(mixed_qkv=%14, raw_g=%18, raw_beta=%20, A_log=%in13, dt_bias=%in14, out=%in15, state=%in16, state_indices=%in10, lower_bound=-5, scale=0.25, stride_mixed_token=192, stride_g_token=64, stride_beta_token=288, stride_state_token=1312, stride_state_indices=1, H=4, K=16, V=16, BK=16, BV=16, SOFTPLUS_THRESHOLD=20, USE_LOWER_BOUND=True, launch_pdl=False, grid=[[1, 8, 1]])
+%22 = %21[out]  : bf16[1, 2, 4, 16]
+%23 = aten.view(%5, [3, 4, 16])  : bf16[3, 4, 16]
+%24 = aten.select(%22, 0, 0)  : bf16[2, 4, 16]
+%25 = aten.slice_scatter(%in17, %24, 0, 0, 2)  : bf16[3, 4, 16]
+%26 = aten.select_scatter(%in18, %25, 0, 0)  : bf16[1, 3, 4, 16]
+%27 = aten.view(%26, [-1, 16])  : bf16[12, 16]
+%28 = triton.layer_norm_gated_fwd_kernel(x=%27, g=%23, y=%27, w=%in19, rstd=%in20, b=None, residual=None, residual_out=None, mean=None, eps=1e-05, T=12, H=4, g_stride_n=288, D=16, BD=16, BT=16, ACTIVATION='sigmoid', IS_RMS_NORM=True, STORE_RESIDUAL_OUT=False, HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, grid=[[1, 1, 1]])
+%29 = %28[y]  : bf16[12, 16]
+%30 = aten.view(%29, [1, 3, 4, 16])  : bf16[1, 3, 4, 16]
+%31 = aten.view(%30, [3, 4, 16])  : bf16[3, 4, 16]
+%32 = aten.view(%31, [3, 64])  : bf16[3, 64]
+%33 = aten.mm(%32, %in21)  : bf16[3, 128]
+%34 = vllm.all_reduce(%33, 'tp:0')  : bf16[3, 128]""")
 
 
 def test_snapshot_vllm_mla_attention_g2(captured):
-    assert_expected_inline(captured(2)["snapshots"][3], """""")
+    assert_expected_inline(captured(2)["snapshots"][3], """\
+%in0 = getitem  : bf16[3, 128]
+%in1 = aten.slice(...)  : bf16[3, 128]
+%in2 = getitem  : bf16[3, 2, 128]
+%in3 = input  : bf16[128]
+%in4 = aten.squeeze(...)  : bf16[128]
+%in5 = input  : bf16[128]
+%in6 = aten.empty(...)  : bf16[3, 128]
+%in7 = aten.permute(...)  : bf16[128, 624]
+%in8 = aten.empty(...)  : bf16[3, 48]
+%in9 = aten.empty(...)  : bf16[3, 512]
+%in10 = input  : bf16[48]
+%in11 = input  : bf16[512]
+%in12 = aten.permute(...)  : bf16[48, 320]
+%in13 = input  : bf16[4, 16, 512]
+%in14 = aten.slice(...)  : i64[2]
+%in15 = aten.empty(...)  : bf16[2, 4, 576]
+%in16 = input  : bf16[9, 16, 576]
+%in17 = input  : i32[2, 4]
+%in18 = input  : i32[2]
+%in19 = aten.full(...)  : bf16[2, 4, 512]
+%in20 = input  : bf16[4, 512, 16]
+%in21 = aten.view(...)  : bf16[2, 4, 16]
+%in22 = aten.empty(...)  : bf16[3, 64]
+%in23 = aten.permute(...)  : bf16[128, 64]
+%in24 = aten.permute(...)  : bf16[64, 128]
+%0 = triton._attn_res_kernel(prefix_ptr=%in0, delta_ptr=%in1, blocks_ptr=%in2, norm_weight_ptr=%in3, qk_weight_ptr=%in4, output_norm_weight_ptr=%in5, output_ptr=%in6, stride_prefix_m=128, stride_delta_m=128, stride_block_m=256, stride_block_r=128, stride_output_m=128, num_blocks=1, hidden_size=128, block_write_idx=-1, eps=1e-05, output_norm_eps=1e-05, HAS_DELTA=True, WRITE_BLOCK=False, APPLY_OUTPUT_NORM=True, BLOCK_L=1, BLOCK_D=128, launch_pdl=False, grid=[[3, 1, 1]])
+%1 = %0[output_ptr]  : bf16[3, 128]
+%2 = aten.mm(%1, %in7)  : bf16[3, 624]
+%3 = aten.split_with_sizes(%2, [48, 512, 64], -1)
+%4 = %3[0]  : bf16[3, 48]
+%5 = %3[1]  : bf16[3, 512]
+%6 = %3[2]  : bf16[3, 64]
+%7 = triton.kernel(q_ptr=%4, kv_ptr=%5, q_out_ptr=%in8, kv_out_ptr=%in9, q_weight_ptr=%in10, kv_weight_ptr=%in11, q_in_stride=624, q_out_stride=48, kv_in_stride=624, kv_out_stride=512, Q_SIZE=48, KV_SIZE=512, BLOCK_SIZE=512, launch_pdl=False, eps=1e-05, grid=[[3, 2, 1]])
+%8 = %7[q_out_ptr]  : bf16[3, 48]
+%9 = %7[kv_out_ptr]  : bf16[3, 512]
+%10 = aten.mm(%8, %in12)  : bf16[3, 320]
+%11 = aten.view(%10, [-1, 4, 80])  : bf16[3, 4, 80]
+%12 = aten.slice(%11, 0, 0, 2)  : bf16[2, 4, 80]
+%13 = aten.split_with_sizes(%12, [16, 64], -1)
+%14 = %13[0]  : bf16[2, 4, 16]
+%15 = %13[1]  : bf16[2, 4, 64]
+%16 = aten.permute(%14, [1, 0, 2])  : bf16[4, 2, 16]
+%17 = aten.bmm(%16, %in13)  : bf16[4, 2, 512]
+%18 = aten.permute(%17, [1, 0, 2])  : bf16[2, 4, 512]
+%19 = aten.slice(%9, 0, 0, 2)  : bf16[2, 512]
+%20 = aten.unsqueeze(%6, 1)  : bf16[3, 1, 64]
+%21 = aten.slice(%20, 0, 0, 2)  : bf16[2, 1, 64]
+%22 = aten.view(%21, [2, 64])  : bf16[2, 64]
+%23 = auto_functionalized_v2[_C.fused_kimi_k3_mla_decode_q_concat_kv_cache_insert](ql_nope=%18, q_pe=%15, kv_c_normed=%19, k_pe=%22, slot_mapping=%in14, block_size=16, positions=None, cos_sin_cache=None, _mqa_q_base_index=0, _kv_cache_base_index=1, _all_bases=[%in15, %in16])
+%24 = %23[1]  : bf16[2, 4, 576]
+%25 = %23[2]  : bf16[9, 16, 576]
+%26 = auto_functionalized_v2[_C.mla_decode_kvcache](query=%24, kv_cache=%25, scale=0.111803, block_tables=%in17, seq_lens=%in18, _out_base_index=0, _all_bases=[%in19])
+%27 = %26[1]  : bf16[2, 4, 512]
+%28 = aten.permute(%27, [1, 0, 2])  : bf16[4, 2, 512]
+%29 = aten.bmm(%28, %in20)  : bf16[4, 2, 16]
+%30 = aten.permute(%29, [1, 0, 2])  : bf16[2, 4, 16]
+%31 = aten.copy(%in21, %30)  : bf16[2, 4, 16]
+%32 = aten.view(%31, [2, 64])  : bf16[2, 64]
+%33 = aten.slice_scatter(%in22, %32, 0, 0, 2)  : bf16[3, 64]
+%34 = aten.mm(%1, %in23)  : bf16[3, 64]
+%35 = aten.sigmoid(%34)  : bf16[3, 64]
+%36 = aten.mul(%33, %35)  : bf16[3, 64]
+%37 = aten.mm(%36, %in24)  : bf16[3, 128]
+%38 = vllm.all_reduce(%37, 'tp:0')  : bf16[3, 128]""")
 
 
 @pytest.mark.slow
