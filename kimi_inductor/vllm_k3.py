@@ -11,10 +11,11 @@ post-grad pass in mode 3. The architectures vLLM looks up are vLLM's own classes
 build the backbone by its module-global name, which is replaced here. NVIDIA build only
 (``vllm.models.kimi_k3.nvidia``).
 
-What our passes find in that graph is vLLM's, not our stock decoder's: vLLM's collective
-ops are matched (``passes/collectives.py``), while its attention, KDA and MegaMoE calls are
-vLLM's own ops, so the hybrid-step rewrite applies only where the graph uses the ops our
-passes know; the report says per layer what matched and why not (docs/vllm.md).
+What our passes find in that graph is vLLM's own spelling of the decoder's roles
+(``passes/spellings/vllm.py``): they rewrite its SP layout into the hybrid step and say
+per layer what each pass did (docs/vllm.md). Where vLLM's code is not traceable with
+``fullgraph=True`` (MLA's non-contiguous ``bmm(out=)``, the aux CUDA streams), the
+classes below compute the same values traceably.
 """
 
 from __future__ import annotations
