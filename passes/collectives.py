@@ -23,6 +23,7 @@ import torch
 from torch import fx
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match
 
+from .graph import OpCall
 from .roles import SPELLINGS, collective_spelling
 
 aten = torch.ops.aten
@@ -30,6 +31,13 @@ aten = torch.ops.aten
 
 def _spelled():
     return [(s.name, s.collectives) for s in SPELLINGS if s.collectives is not None]
+
+
+def _completed(kind: str, spelling: str, node: fx.Node, bindings: dict) -> dict:
+    complete = collective_spelling(spelling).complete
+    if complete is not None:
+        complete(kind, node, bindings)
+    return bindings
 
 
 def _gather_patterns():
@@ -89,7 +97,7 @@ def _match(kind: str, patterns, node: fx.Node) -> Collective | None:
     for spelling, pattern in patterns:
         m = pattern.match(node)
         if isinstance(m, Match):
-            bindings = dict(m.kwargs)
+            bindings = _completed(kind, spelling, node, dict(m.kwargs))
             if kind == "sp_gather" and "rows" not in bindings:  # unsliced: all G c rows
                 val = node.meta.get("val")
                 bindings["rows"] = None if val is None else val.shape[0]
@@ -114,8 +122,9 @@ def count(graph: fx.Graph) -> dict[str, int]:
     ops = {op: kind for _, c in _spelled() for op, kind in c.ops().items()}
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in ops:
-            out[ops[node.target]] += 1
+        call = OpCall.of(node)
+        if call is not None and call.op in ops:
+            out[ops[call.op]] += 1
     return out
 
 

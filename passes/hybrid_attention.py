@@ -96,6 +96,8 @@ def _refusal(dg: DecoderGraph) -> str:
                 f"{'found' if dg.exit_gather else 'missing'}): left in SP")
     if dg.bank is None:
         return "the AttnRes bank is not a plain allocation"
+    if any(c.group_name is None for l in dg.layers for c in (l.gather, l.scatter)):
+        return "a collective's process group is not known (a custom all-reduce op without a vllm:: collective)"
     sizes = {c.bindings["group_size"] for l in dg.layers for c in (l.gather, l.scatter)}
     rows = {l.gather.bindings["rows"] for l in dg.layers}
     if len(sizes) != 1 or len(rows) != 1:

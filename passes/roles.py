@@ -126,6 +126,7 @@ class CollectiveSpelling:
     emit_all_reduce: Callable[[fx.Graph, fx.Node, fx.Node, Any], fx.Node]  # (g, after, y, like) -> out
     emit_all_gather: Callable[[fx.Graph, fx.Node, fx.Node, Any], fx.Node]  # (g, after, x, like) -> out [G c]
     ops: Callable[[], dict[Any, str]]  # op -> all_reduce | all_gather | reduce_scatter (for counting)
+    complete: Callable[[str, fx.Node, dict], None] | None = None  # fills what a match could not bind
 
 
 @dataclass(frozen=True)

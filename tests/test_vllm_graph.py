@@ -70,8 +70,59 @@ def capture_tp(tp):
         if stage == "after hybrid_attention":
             snaps.update({layer: region_text(g, layer, "attention") for layer in (1, 3)})
 
+    custom = copy_graph(gm)
     KimiPasses(Options(), report, observe)(gm.graph)
-    return {**summary, "report": report.to_dict(), "snapshots": snaps}
+    out = {**summary, "report": report.to_dict(), "snapshots": snaps}
+    if tp == 2:  # the same graph as vLLM writes it where CUDA custom all-reduce applies
+        spell_custom_all_reduce(custom)
+        out["custom_ops"], custom_report = vllm_cpu.op_counts(custom), MatchReport()
+        KimiPasses(Options(), custom_report)(custom.graph)
+        out["custom_report"] = custom_report.to_dict()
+    return out
+
+
+def copy_graph(gm):
+    from torch import fx
+
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, g)
+
+
+def spell_custom_all_reduce(gm):
+    """Rewrite the SP gathers and reduce-scatters as vLLM does when its CUDA custom
+    all-reduce takes them (``sequence_parallel.sp_all_gather``: the device
+    communicator's ``custom_all_gather`` into a fresh buffer): ``_C_custom_ar`` ops,
+    stand-ins with the extension's schemas (it is not built for CPU), functionalized as
+    a post-grad graph holds them; the embedding's ``vllm.all_reduce`` stays."""
+    import operator
+
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch._guards import detect_fake_mode
+
+    for name in ("custom_all_gather", "custom_reduce_scatter"):
+        if not hasattr(torch.ops._C_custom_ar, name):
+            torch.library.define(f"_C_custom_ar::{name}",
+                                 "(int fa, Tensor inp, Tensor(a!) out, int reg_buffer, int reg_buffer_sz_bytes) -> ()")
+            torch.library.impl(f"_C_custom_ar::{name}", "CompositeExplicitAutograd", lambda *args: None)
+    ops = {torch.ops.vllm.all_gather.default: torch.ops._C_custom_ar.custom_all_gather.default,
+           torch.ops.vllm.reduce_scatter.default: torch.ops._C_custom_ar.custom_reduce_scatter.default}
+    g = gm.graph
+    for node in [n for n in g.nodes if n.target in ops]:
+        val = node.meta["val"]
+        with g.inserting_before(node):
+            out = g.call_function(torch.ops.aten.empty.memory_format, (list(val.shape),),
+                                  {"dtype": val.dtype, "device": val.device})
+            call = g.call_function(auto_functionalized_v2, (ops[node.target],), {
+                "fa": 1, "inp": node.args[0], "reg_buffer": 2, "reg_buffer_sz_bytes": 2 << 20,
+                "_out_base_index": 0, "_all_bases": [out]})
+            new = g.call_function(operator.getitem, (call, 1))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    gm.recompile()
+    inputs = [n.meta["val"] for n in g.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, mode=detect_fake_mode(inputs)).propagate_dont_convert_inputs(*inputs)
 
 
 def tp1_capture_and_numerics(steps):
@@ -244,6 +295,20 @@ def test_every_layer_of_vllms_sp_graph_becomes_the_hybrid_step(captured, tp):
         assert layer["spelling"] == "vllm" and "hybrid_attention" in layer["rewritten_by"], layer
     assert "dense MLP on all rows (row-local)" in report["layers"][0]["reason"]
     assert all("MoE on the rank's row shard" in l["reason"] for l in report["layers"][1:])
+    assert report["collectives_before"] == {"all_reduce": 1, "all_gather": L + 1, "reduce_scatter": L}
+    assert report["collectives_after"] == {"all_reduce": L + 1, "all_gather": MOE_LAYERS, "reduce_scatter": 0}
+
+
+def test_custom_all_reduce_spelling_is_rewritten_too(captured):
+    """Where vLLM's SP collectives are its CUDA custom all-reduce ops (``_C_custom_ar``),
+    the same layers are matched and rewritten; the rewrite emits ``vllm::`` ops, which
+    pick the custom kernels themselves where they apply."""
+    summary = captured(2)
+    assert summary["custom_ops"].get("functionalized:_C_custom_ar::custom_all_gather") == L + 1
+    assert GATHER not in summary["custom_ops"] and SCATTER not in summary["custom_ops"]
+    report = summary["custom_report"]
+    assert report["layout"] == "sp" and report["layout_after"] == "hybrid"
+    assert all("hybrid_attention" in l["rewritten_by"] for l in report["layers"])
     assert report["collectives_before"] == {"all_reduce": 1, "all_gather": L + 1, "reduce_scatter": L}
     assert report["collectives_after"] == {"all_reduce": L + 1, "all_gather": MOE_LAYERS, "reduce_scatter": 0}
 

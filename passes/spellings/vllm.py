@@ -17,16 +17,21 @@ module needs neither vLLM nor its CUDA extension to be importable.
     experts   ``vllm::moe_forward_shared`` / ``vllm::moe_forward``: the whole MoE (top-k,
               routed and shared experts) in one op that finds its layer by name
     collectives ``vllm::all_gather(x, 0, G, group)``, ``vllm::reduce_scatter(y, 0, G, group)``,
-              ``vllm::all_reduce(y, group)``
+              ``vllm::all_reduce(y, group)``; with CUDA custom all-reduce (SP gathers of
+              small inputs) ``_C_custom_ar::custom_all_gather`` / ``custom_reduce_scatter``
+              writing a fresh ``out`` buffer. Rewrites emit the ``vllm::`` ops, which pick
+              the custom kernels themselves where they apply.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
-from torch._inductor.pattern_matcher import CallFunction, KeywordArg
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+from torch._inductor.pattern_matcher import CallFunction, Ignored, KeywordArg
 
 from ..graph import OpCall, TritonCall
 from ..roles import AttnRes, CollectiveSpelling, Core, Experts, OpAttnRes, Spelling, resize_rows
@@ -104,9 +109,41 @@ def _vllm(name: str):
     return None if packet is None else packet.default
 
 
+def _custom_ar(name: str):
+    """vLLM's CUDA custom all-reduce extension op (None where it is not loaded)."""
+    packet = getattr(getattr(torch.ops, "_C_custom_ar", None), name, None)
+    return None if packet is None else packet.default
+
+
 def _patterns(name: str, *args) -> list:
     op = _vllm(name)
     return [] if op is None else [CallFunction(op, *args)]
+
+
+def _custom_patterns(name: str, inp) -> list:
+    """``_C_custom_ar.<name>(fa, inp, out, reg_buffer, size)`` as the functional graph
+    holds it: the new value of ``out``, a fresh allocation (its group is completed by
+    ``_complete``)."""
+    op = _custom_ar(name)
+    if op is None:
+        return []
+    call = CallFunction(auto_functionalized_v2, op, fa=Ignored(), inp=inp, reg_buffer=Ignored(),
+                        reg_buffer_sz_bytes=Ignored(), _out_base_index=0, _all_bases=[Ignored()])
+    return [CallFunction(operator.getitem, call, 1)]
+
+
+def _complete(kind: str, out: fx.Node, bindings: dict) -> None:
+    """A custom all-reduce op names no group: its size from the shapes, its name from
+    the vLLM collectives elsewhere in the graph (the TP group's; None when there are none)."""
+    if "group_name" in bindings:
+        return
+    call = out
+    while call.target is not auto_functionalized_v2:  # under the [:rows] slice and the getitem
+        call = call.args[0]
+    rows_in, rows_out = (a.meta["val"].shape[0] for a in (call.kwargs["inp"], call.kwargs["_all_bases"][0]))
+    bindings["group_size"] = rows_out // rows_in if kind == "sp_gather" else rows_in // rows_out
+    ops = {_vllm(name): index for name, index in (("all_reduce", 1), ("all_gather", 3), ("reduce_scatter", 3))}
+    bindings["group_name"] = next((n.args[ops[n.target]] for n in out.graph.nodes if n.target in ops), None)
 
 
 def _emit(g: fx.Graph, after: fx.Node, name: str, args: tuple) -> fx.Node:
@@ -115,13 +152,19 @@ def _emit(g: fx.Graph, after: fx.Node, name: str, args: tuple) -> fx.Node:
 
 
 COLLECTIVES = CollectiveSpelling(
-    gathers=lambda: _patterns("all_gather", KeywordArg("x"), 0, KeywordArg("group_size"), KeywordArg("group_name")),
-    scatters=lambda y: _patterns("reduce_scatter", y, 0, KeywordArg("group_size"), KeywordArg("group_name")),
+    gathers=lambda: _patterns("all_gather", KeywordArg("x"), 0, KeywordArg("group_size"), KeywordArg("group_name"))
+    + _custom_patterns("custom_all_gather", KeywordArg("x")),
+    scatters=lambda y: _patterns("reduce_scatter", y, 0, KeywordArg("group_size"), KeywordArg("group_name"))
+    + _custom_patterns("custom_reduce_scatter", y),
     all_reduces=lambda: _patterns("all_reduce", KeywordArg("y"), KeywordArg("group_name")),
     emit_all_reduce=lambda g, after, y, like: _emit(g, after, "all_reduce", (y, like.group_name)),
     emit_all_gather=lambda g, after, x, like: _emit(
         g, after, "all_gather", (x, 0, like.bindings["group_size"], like.group_name)),
-    ops=lambda: {op: name for name in ("all_reduce", "all_gather", "reduce_scatter") if (op := _vllm(name))},
+    ops=lambda: {op: name for name, op in (*((n, _vllm(n)) for n in ("all_reduce", "all_gather", "reduce_scatter")),
+                                          ("all_gather", _custom_ar("custom_all_gather")),
+                                          ("reduce_scatter", _custom_ar("custom_reduce_scatter")),
+                                          ("all_reduce", _custom_ar("all_reduce"))) if op is not None},
+    complete=_complete,
 )
 
 SPELLING = Spelling(NAME, _attn_res, _core, _experts, COLLECTIVES, row_local=ROW_LOCAL_OPS,
