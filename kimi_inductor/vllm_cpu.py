@@ -779,36 +779,25 @@ class Step:
 
 
 def allocate_caches(model, vllm_config, batch: DecodeBatch) -> dict[str, Any]:
-    """Zeroed caches for every attention layer, bound as vLLM binds them: MLA through
-    its ``bind_kv_cache`` ([blocks, 1, block_size, kv_lora_rank + rope] latent pages);
-    KDA as ``bind_kv_cache`` lays a state slot's page out (conv state, then recurrent
-    state, as dtype views of int8 pages of the same size and strides), except that each
-    state gets pages of its own (``SHIMS["KDA state pages"]``)."""
+    """Zeroed caches for every attention layer, bound by the layers' own
+    ``bind_kv_cache``: MLA's [blocks, 1, block_size, kv_lora_rank + rope] latent pages,
+    KDA's [slots, 1, 1, bytes] int8 pages holding the conv state, then the recurrent
+    state (``vllm_k3.PagedKDA`` views them when read)."""
     from math import prod
 
     caches: dict[str, torch.Tensor] = {}
     for name, layer in _layers(vllm_config).items():
-        if _is_kda(layer):
+        if _is_kda(layer):  # one int8 page per state slot holding both states, bound by vLLM's code
             shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
-            sizes = [prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
-            states, offset = [], 0
-            for shape, dtype, size in zip(shapes, dtypes, sizes):
-                pages = torch.zeros(batch.num_slots, sum(sizes), dtype=torch.int8)
-                states.append(pages[:, offset:offset + size].view(dtype).view(-1, *shape))
-                offset += size
-            layer.kv_cache = tuple(states)
-            caches[name] = states
+            size = sum(prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes))
+            raw = torch.zeros(batch.num_slots, 1, 1, size, dtype=torch.int8)
+            layer.bind_kv_cache(raw)
+            caches[name] = [raw]
         else:
             raw = torch.zeros(batch.num_blocks, 1, BLOCK_SIZE, layer.head_size, dtype=torch.bfloat16)
             layer.bind_kv_cache(raw)
             caches[name] = raw
     return caches
-
-
-SHIMS["KDA state pages"] = (
-    "vLLM binds a KDA layer's conv (bf16) and recurrent (fp32) states as dtype views of ONE int8 page tensor; "
-    "AOTAutograd refuses graph inputs mutated through views of one base with different dtypes, so here each state "
-    "has its own pages (same shapes, dtypes and strides). A compiled vLLM deployment hits this refusal (see docs)")
 
 
 def decode_batch(model, vllm_config, rows: int = 3, padding: int = 1, max_context: int = 64,

@@ -20,6 +20,8 @@ classes below compute the same values traceably.
 
 from __future__ import annotations
 
+from math import prod
+
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
@@ -58,6 +60,41 @@ if not getattr(_k3.MultiHeadLatentAttention, "kimi_inductor", False):
             out.copy_(torch.bmm(x, self.W_UV).transpose(0, 1))
 
     _k3.MultiHeadLatentAttention = TraceableMLA
+
+if not getattr(_k3.KimiK3DeltaAttention, "kimi_inductor", False):
+
+    class PagedKDA(_k3.KimiK3DeltaAttention):
+        """vLLM's K3 KDA layer whose states are taken from their int8 page when read.
+
+        vLLM binds a layer's conv (bf16) and recurrent (fp32) states as dtype views of one
+        int8 page tensor (``MambaBase.bind_kv_cache``). Read as two module attributes they
+        become two graph inputs mutated through views of one base with different dtypes,
+        which AOTAutograd refuses. Here the page is the attribute and ``kv_cache`` slices
+        and views it on every read (the same bytes, shapes and strides), so the graph
+        takes the page and the views are graph ops, which functionalization handles."""
+
+        kimi_inductor = True
+
+        def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+            self._kv_pages = kv_cache.squeeze(dim=(1, 2))
+
+        @property
+        def kv_cache(self) -> tuple[torch.Tensor, ...]:
+            pages = getattr(self, "_kv_pages", None)
+            if pages is None:
+                return getattr(self, "_kv_states", ())
+            states, offset = [], 0
+            for shape, dtype in zip(self.get_state_shape(), self.get_state_dtype()):
+                nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
+                states.append(pages[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
+                offset += nbytes
+            return tuple(states)
+
+        @kv_cache.setter
+        def kv_cache(self, states: tuple[torch.Tensor, ...]) -> None:  # bound state by state
+            self._kv_pages, self._kv_states = None, states
+
+    _k3.KimiK3DeltaAttention = PagedKDA
 
 if not getattr(_k3.KimiLinearModel, "kimi_inductor", False):
 

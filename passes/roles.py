@@ -11,8 +11,12 @@ Roles, with the role's argument names whatever a spelling calls them:
     AttnRes       prefix [R, H] (updated in place), delta [R, H] | None, bank [R, NB, H]
                   (updated in place), norm_weight, qk_weight, output_norm_weight,
                   num_blocks, block_write_idx, eps, output_norm_eps; ``output``: the
-                  mix [R, H]. R is the call's rows: its inputs' first dimension, plus
-                  whatever the spelling sizes by rows itself (``set_rows``).
+                  mix [R, H]; ``updated(prefix | bank)``: their values after the call.
+                  R is the call's rows: its inputs' first dimension, plus whatever the
+                  spelling sizes by rows itself (``set_rows``). Contract, in every
+                  spelling: row-wise; prefix += delta when delta is given; the bank's
+                  block ``block_write_idx`` (if >= 0) takes the prefix; the mix is the
+                  softmax-weighted sum of bank blocks [0, num_blocks) and the prefix.
     Core          an attention core, one anchor call per layer in graph order:
                   kind kda | mla | dsa, tokens per request ``q`` where the call shows it
                   (KDA), decode context parallel size ``dcp``
@@ -20,11 +24,12 @@ Roles, with the role's argument names whatever a spelling calls them:
                   the group, MegaMoE's contract), ``tp`` (TP-sharded experts) or
                   ``layer`` (one opaque op holding top-k, routed and shared experts)
     collectives   all-gather / reduce-scatter / all-reduce over the TP group: each
-                  spelling's patterns and emitters, used by ``collectives.py``
+                  spelling's patterns, emitters and (``complete``) what a pattern cannot
+                  bind, used by ``collectives.py``
     row-local ops custom ops whose output row r depends only on row r of given
                   arguments (what ``row_local.py`` may move across a collective)
 
-Spellings are tried in registration order; a node matches at most one.
+Spellings are tried in name order; a node matches at most one.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch import fx
 from .decoder import DecoderGraph, _between
 from .graph import OpCall, TritonCall
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int32: "i32", torch.int64: "i64",
+_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int32: "i32", torch.int64: "i64", torch.int8: "i8",
            torch.bool: "b8", torch.uint8: "u8"}
 
 

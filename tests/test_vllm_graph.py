@@ -133,6 +133,9 @@ def tp1_capture_and_numerics(steps):
     vllm_config, model = vllm_cpu.build(tp=1, layers=LAYERS)
     result = {"weight_mismatches": vllm_cpu.weight_mismatches(model, layers=LAYERS), "shims": dict(vllm_cpu.SHIMS)}
     batch = vllm_cpu.decode_batch(model, vllm_config, ROWS, PADDING)
+    result["kda_states_share_a_page"] = [  # vLLM's own binding: both states views of one int8 page
+        len({t.untyped_storage().data_ptr() for t in layer.kv_cache}) == 1
+        for layer in vllm_cpu._layers(vllm_config).values() if vllm_cpu._is_kda(layer)]
     result["replica_row_errors"] = replica_row_errors(vllm_config, model, batch, steps=2)
     vllm_cpu.restart(batch)
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
@@ -233,6 +236,7 @@ def assert_core_roles(ops):
 def test_tp1_graph_holds_vllms_ops_by_role(tp1):
     assert tp1["weight_mismatches"] == []  # vLLM's load_weights took our replica's checkpoint as is
     assert tp1["graphs"] == 1  # fullgraph: one graph for the whole backbone
+    assert tp1["kda_states_share_a_page"] == [True] * KDA_LAYERS  # as vLLM binds them (vllm_k3.PagedKDA)
     assert_core_roles(tp1["ops"])
     assert not {GATHER, SCATTER, REDUCE} & set(tp1["ops"])
 
@@ -328,10 +332,10 @@ def test_snapshot_vllm_kda_attention_g2(captured):
 %in10 = input  : i32[2]
 %in11 = aten.unsqueeze(...)  : bf16[2, 192, 1]
 %in12 = aten.permute(...)  : bf16[16, 64]
-%in13 = input  : f32[4]
-%in14 = input  : f32[64]
-%in15 = aten.empty(...)  : bf16[1, 2, 4, 16]
-%in16 = input  : f32[3, 4, 16, 16]
+%in13 = input  : i8[3, 5248]
+%in14 = input  : f32[4]
+%in15 = input  : f32[64]
+%in16 = aten.empty(...)  : bf16[1, 2, 4, 16]
 %in17 = aten.select(...)  : bf16[3, 4, 16]
 %in18 = aten.empty(...)  : bf16[1, 3, 4, 16]
 %in19 = input  : bf16[16]
@@ -348,30 +352,38 @@ def test_snapshot_vllm_kda_attention_g2(captured):
 %8 = aten.slice(%4, 0, 0, 2)  : bf16[2, 192]
 %9 = aten.unsqueeze(%8, -1)  : bf16[2, 192, 1]
 %10 = triton._causal_conv1d_update_kernel(x_ptr=%9, w_ptr=%in8, conv_state_ptr=%in9, conv_state_indices_ptr=%in10, o_ptr=%in11, bias_ptr=None, num_accepted_tokens_ptr=None, query_start_loc_ptr=None, batch=2, dim=192, seqlen=1, state_len=3, num_cache_lines=3, stride_x_seq=288, stride_x_dim=1, stride_x_token=1, stride_w_dim=4, stride_w_width=1, stride_conv_state_seq=2624, stride_conv_state_dim=1, stride_conv_state_tok=192, stride_state_indices=1, stride_o_seq=192, stride_o_dim=1, stride_o_token=1, null_block_id=0, HAS_BIAS=False, KERNEL_WIDTH=4, SILU_ACTIVATION=True, IS_VARLEN=False, IS_SPEC_DECODING=False, NP2_STATELEN=4, HAS_NULL_BLOCK=True, BLOCK_N=256, launch_pdl=False, grid=[[2, 1, 1]])
-%11 = %10[o_ptr]  : bf16[2, 192, 1]
-%12 = aten.squeeze(%11, -1)  : bf16[2, 192]
-%13 = aten.unsqueeze(%12, -1)  : bf16[2, 192, 1]
-%14 = aten.squeeze(%13, -1)  : bf16[2, 192]
-%15 = aten.mm(%6, %in12)  : bf16[3, 64]
-%16 = aten.view(%15, [3, 4, 16])  : bf16[3, 4, 16]
-%17 = aten.view(%16, [1, 3, 4, 16])  : bf16[1, 3, 4, 16]
-%18 = aten.slice(%17, 1, 0, 2)  : bf16[1, 2, 4, 16]
-%19 = aten.unsqueeze(%7, 0)  : bf16[1, 3, 4]
-%20 = aten.slice(%19, 1, 0, 2)  : bf16[1, 2, 4]
-%21 = triton.fused_recurrent_kda_packed_decode_kernel(mixed_qkv=%14, raw_g=%18, raw_beta=%20, A_log=%in13, dt_bias=%in14, out=%in15, state=%in16, state_indices=%in10, lower_bound=-5, scale=0.25, stride_mixed_token=192, stride_g_token=64, stride_beta_token=288, stride_state_token=1312, stride_state_indices=1, H=4, K=16, V=16, BK=16, BV=16, SOFTPLUS_THRESHOLD=20, USE_LOWER_BOUND=True, launch_pdl=False, grid=[[1, 8, 1]])
-%22 = %21[out]  : bf16[1, 2, 4, 16]
-%23 = aten.view(%5, [3, 4, 16])  : bf16[3, 4, 16]
-%24 = aten.select(%22, 0, 0)  : bf16[2, 4, 16]
-%25 = aten.slice_scatter(%in17, %24, 0, 0, 2)  : bf16[3, 4, 16]
-%26 = aten.select_scatter(%in18, %25, 0, 0)  : bf16[1, 3, 4, 16]
-%27 = aten.view(%26, [-1, 16])  : bf16[12, 16]
-%28 = triton.layer_norm_gated_fwd_kernel(x=%27, g=%23, y=%27, w=%in19, rstd=%in20, b=None, residual=None, residual_out=None, mean=None, eps=1e-05, T=12, H=4, g_stride_n=288, D=16, BD=16, BT=16, ACTIVATION='sigmoid', IS_RMS_NORM=True, STORE_RESIDUAL_OUT=False, HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, grid=[[1, 1, 1]])
-%29 = %28[y]  : bf16[12, 16]
-%30 = aten.view(%29, [1, 3, 4, 16])  : bf16[1, 3, 4, 16]
-%31 = aten.view(%30, [3, 4, 16])  : bf16[3, 4, 16]
-%32 = aten.view(%31, [3, 64])  : bf16[3, 64]
-%33 = aten.mm(%32, %in21)  : bf16[3, 128]
-%34 = vllm.all_reduce(%33, 'tp:0')  : bf16[3, 128]""")
+%11 = %10[conv_state_ptr]  : bf16[3, 192, 3]
+%12 = %10[o_ptr]  : bf16[2, 192, 1]
+%13 = aten.squeeze(%12, -1)  : bf16[2, 192]
+%14 = aten.unsqueeze(%13, -1)  : bf16[2, 192, 1]
+%15 = aten.squeeze(%14, -1)  : bf16[2, 192]
+%16 = aten.mm(%6, %in12)  : bf16[3, 64]
+%17 = aten.view(%16, [3, 4, 16])  : bf16[3, 4, 16]
+%18 = aten.view(%17, [1, 3, 4, 16])  : bf16[1, 3, 4, 16]
+%19 = aten.slice(%18, 1, 0, 2)  : bf16[1, 2, 4, 16]
+%20 = aten.unsqueeze(%7, 0)  : bf16[1, 3, 4]
+%21 = aten.slice(%20, 1, 0, 2)  : bf16[1, 2, 4]
+%22 = aten.permute(%11, [0, 2, 1])  : bf16[3, 3, 192]
+%23 = aten.view(%22, [3, 576])  : bf16[3, 576]
+%24 = aten.view(%23, i8)  : i8[3, 1152]
+%25 = aten.slice_scatter(%in13, %24, 1, 0, 1152)  : i8[3, 5248]
+%26 = aten.slice(%25, 1, 1152, 5248)  : i8[3, 4096]
+%27 = aten.view(%26, f32)  : f32[3, 1024]
+%28 = aten.view(%27, [-1, 4, 16, 16])  : f32[3, 4, 16, 16]
+%29 = triton.fused_recurrent_kda_packed_decode_kernel(mixed_qkv=%15, raw_g=%19, raw_beta=%21, A_log=%in14, dt_bias=%in15, out=%in16, state=%28, state_indices=%in10, lower_bound=-5, scale=0.25, stride_mixed_token=192, stride_g_token=64, stride_beta_token=288, stride_state_token=1312, stride_state_indices=1, H=4, K=16, V=16, BK=16, BV=16, SOFTPLUS_THRESHOLD=20, USE_LOWER_BOUND=True, launch_pdl=False, grid=[[1, 8, 1]])
+%30 = %29[out]  : bf16[1, 2, 4, 16]
+%31 = aten.view(%5, [3, 4, 16])  : bf16[3, 4, 16]
+%32 = aten.select(%30, 0, 0)  : bf16[2, 4, 16]
+%33 = aten.slice_scatter(%in17, %32, 0, 0, 2)  : bf16[3, 4, 16]
+%34 = aten.select_scatter(%in18, %33, 0, 0)  : bf16[1, 3, 4, 16]
+%35 = aten.view(%34, [-1, 16])  : bf16[12, 16]
+%36 = triton.layer_norm_gated_fwd_kernel(x=%35, g=%31, y=%35, w=%in19, rstd=%in20, b=None, residual=None, residual_out=None, mean=None, eps=1e-05, T=12, H=4, g_stride_n=288, D=16, BD=16, BT=16, ACTIVATION='sigmoid', IS_RMS_NORM=True, STORE_RESIDUAL_OUT=False, HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, grid=[[1, 1, 1]])
+%37 = %36[y]  : bf16[12, 16]
+%38 = aten.view(%37, [1, 3, 4, 16])  : bf16[1, 3, 4, 16]
+%39 = aten.view(%38, [3, 4, 16])  : bf16[3, 4, 16]
+%40 = aten.view(%39, [3, 64])  : bf16[3, 64]
+%41 = aten.mm(%40, %in21)  : bf16[3, 128]
+%42 = vllm.all_reduce(%41, 'tp:0')  : bf16[3, 128]""")
 
 
 def test_snapshot_vllm_mla_attention_g2(captured):
