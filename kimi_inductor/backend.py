@@ -82,8 +82,9 @@ class KimiSpecialized:
         key = _report_key(gm, example_inputs, passes)
         patches = {"post_grad_custom_post_pass": passes}
         try:
-            if self.options.compiler == "eager":
-                compiled = compile_fx(gm, example_inputs, inner_compile=_eager_inner, config_patches=patches)
+            if self.options.compiler == "eager":  # nothing for AOTAutograd's cache to keep: no output code
+                with torch._functorch.config.patch(enable_autograd_cache=False):
+                    compiled = compile_fx(gm, example_inputs, inner_compile=_eager_inner, config_patches=patches)
             else:
                 compiled = compile_fx(gm, example_inputs, config_patches=patches)
         except Exception as err:

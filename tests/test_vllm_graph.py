@@ -81,6 +81,39 @@ def capture_tp(tp):
     return out
 
 
+def mode2_through_vllms_wrapper():
+    """Compilation mode 2 as vLLM runs it: the backbone's ``support_torch_compile``
+    wrapper (ours, from ``vllm_k3``) compiles it with ``backend="kimi_specialized"``
+    resolved by name, options from ``additional_config``; the deployment check's GPU
+    test stubbed (the CPU stands in for an H200), vLLM's AOT compile off (our backend's
+    result is not serializable: docs/vllm.md)."""
+    import os
+
+    os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    from kimi_inductor import config, vllm_cpu
+    from kimi_inductor.passes import manager
+
+    make_config, check = vllm_cpu.vllm_config_for, config.unsupported
+
+    def mode2_config(path, tp=1, max_model_len=256):
+        c = make_config(path, tp, max_model_len)
+        c.compilation_config.mode, c.compilation_config.backend = 2, "kimi_specialized"
+        c.additional_config = {"kimi_inductor": {"decode_backend": "latency_specialized", "compiler": "eager"}}
+        return c
+
+    vllm_cpu.vllm_config_for = mode2_config
+    config.unsupported = lambda vllm_config, capability=None: check(vllm_config, (9, 0))
+    reports, run = [], manager.KimiPasses.__call__
+    manager.KimiPasses.__call__ = lambda self, graph: (run(self, graph), reports.append(self.report.to_dict()))
+    vllm_config, model = vllm_cpu.build(tp=1, layers=LAYERS)
+    batch = vllm_cpu.decode_batch(model, vllm_config, ROWS, PADDING)
+    step = vllm_cpu.next_step(vllm_config, batch)
+    vllm_cpu._prefill_kernel_arg_names()
+    with torch.no_grad(), vllm_cpu.forward_context(vllm_config, step):
+        out = model.model(step.input_ids, step.positions, None)
+    return {"reports": reports, "finite": bool(torch.isfinite(out[:ROWS]).all()), "backbone": type(model.model).__module__}
+
+
 def copy_graph(gm):
     from torch import fx
 
@@ -452,6 +485,14 @@ def test_snapshot_vllm_mla_attention_g2(captured):
 %36 = aten.mul(%33, %35)  : bf16[3, 64]
 %37 = aten.mm(%36, %in24)  : bf16[3, 128]
 %38 = vllm.all_reduce(%37, 'tp:0')  : bf16[3, 128]""")
+
+
+def test_mode2_compiles_the_backbone_through_vllms_wrapper():
+    result = isolated(mode2_through_vllms_wrapper)
+    assert result["backbone"] == "kimi_inductor.vllm_k3" and result["finite"]
+    assert len(result["reports"]) == 1  # fullgraph: one graph
+    report = result["reports"][0]
+    assert report["decoder"] and [l["spelling"] for l in report["layers"]] == ["vllm"] * L
 
 
 @pytest.mark.slow
