@@ -165,10 +165,12 @@ def _custom_op_cuda_dispatch() -> None:
     CustomOp.dispatch_forward = dispatch_forward
 
 
-@_shim("CPU communicator all_gatherv/reduce_scatterv", "the EP all-gather / reduce-scatter dispatch inside "
-       "moe_forward_shared (SP layout) calls all_gatherv / reduce_scatterv, which vLLM implements for CUDA only; here "
-       "for equal per-rank sizes (SP shards) through the communicator's all_gather / reduce_scatter")
-def _cpu_gatherv() -> None:
+@_shim("CPU communicator as CUDA's", "all_reduce is out of place, as CUDA's communicator (the CPU one reduces "
+       "its input in place and returns it: vllm::all_reduce would alias its input, which AOTAutograd refuses when "
+       "torch runs with CI set); the EP all-gather / reduce-scatter dispatch inside moe_forward_shared (SP layout) "
+       "calls all_gatherv / reduce_scatterv, which vLLM implements for CUDA only: here for equal per-rank sizes "
+       "(SP shards) through the communicator's all_gather / reduce_scatter")
+def _cpu_communicator() -> None:
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     def equal(sizes: list[int] | None) -> None:
@@ -185,6 +187,12 @@ def _cpu_gatherv() -> None:
         equal(sizes)
         return self.reduce_scatter(input_, dim)
 
+    in_place = CpuCommunicator.all_reduce
+
+    def all_reduce(self, input_):
+        return in_place(self, input_.clone())
+
+    CpuCommunicator.all_reduce = all_reduce
     CpuCommunicator.all_gatherv = all_gatherv
     CpuCommunicator.reduce_scatterv = reduce_scatterv
 
