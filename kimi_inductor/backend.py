@@ -32,6 +32,7 @@ import torch
 from torch import fx
 from torch._dynamo.exc import ShortenTraceback
 
+from .artifact import CompiledGraph
 from .config import Options
 from .passes.manager import KimiPasses, MatchError, Observer  # MatchError: also kimi_inductor.MatchError
 from .passes.report import MatchReport
@@ -74,9 +75,10 @@ class KimiSpecialized:
         opts = Options.from_mapping(options)
         return cls._shared.setdefault(opts.to_json(), cls(opts))
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> CompiledGraph:
         from torch._inductor.compile_fx import compile_fx
 
+        graph = CompiledGraph.of(None, gm, example_inputs, self.options.to_json())
         report = MatchReport(graph=len(self.reports))
         passes = KimiPasses(self.options, report, self.observer)
         key = _report_key(gm, example_inputs, passes)
@@ -97,7 +99,8 @@ class KimiSpecialized:
         else:  # Inductor's FX graph cache returned the graph: the passes did not run
             report = _load_report(key, report.graph)
         self.reports.append(report)  # only graphs that compiled (Dynamo may restart a compile)
-        return compiled
+        graph.compiled = compiled
+        return graph
 
     @property
     def report(self) -> MatchReport | None:

@@ -217,3 +217,44 @@ def test_meta_updater_passes_what_fake_tensor_updater_takes(monkeypatch):
     assert MetaUpdater(gm).updater.graph is gm.graph
     monkeypatch.setattr(fx_utils, "FakeTensorUpdater", GraphModule212)
     assert MetaUpdater(gm).updater.gm is gm
+
+
+AOT_STEP = """
+    import copy, sys, torch
+    from kimi_inductor.stock import KimiK3Config, Parallel
+    from kimi_inductor.stock.batch import DecodeBatch
+    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
+    config = KimiK3Config.preset("tiny")
+    model = build_model(config, random_checkpoint(config, 0), Parallel("sp", None))
+    batch = DecodeBatch(3, 4, 1, config.vocab_size)
+    caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q)
+    step = batch.step()
+    torch.no_grad().__enter__()
+    eager = model(step, copy.deepcopy(caches))
+"""
+
+
+def test_aot_compiled_function_saves_and_loads_in_a_fresh_process(tmp_path):
+    """Dynamo's AOT compile (vLLM's default on torch >= 2.10): the artifact one process
+    saves runs in another (which compiles the saved graph again) as the compiled
+    function did, with the passes' report."""
+    path = tmp_path / "step.aot"
+    saved = run_fresh(AOT_STEP + f"""
+    fn = torch.compile(type(model).forward, fullgraph=True, backend="kimi_specialized", options={{"compiler": "eager"}})
+    aot = fn.aot_compile(((model, step, copy.deepcopy(caches)), {{}}))
+    aot.save_compiled_function({str(path)!r})
+    torch.save(aot(model, step, copy.deepcopy(caches)), {str(tmp_path / "saved.pt")!r})
+    """)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    loaded = run_fresh(AOT_STEP + f"""
+    from kimi_inductor.backend import KimiSpecialized
+    with open({str(path)!r}, "rb") as f:
+        fn = torch.compiler.load_compiled_function(f)
+    out = fn(model, step, copy.deepcopy(caches))
+    assert torch.equal(out, torch.load({str(tmp_path / "saved.pt")!r}))
+    assert torch.equal(out, eager)  # the eager compiler with the passes on one rank: bitwise stock
+    (backend,) = KimiSpecialized._shared.values()
+    print(backend.report.layers[1].rewritten_by)
+    """)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "lower_kernels" in loaded.stdout
