@@ -89,3 +89,38 @@ def run_on_gpus(fn: Callable, gpus: int, args: tuple, json_path: str) -> None:
         for r in range(gpus):
             os.remove(f"{json_path}.rank{r}")
 
+
+
+def vllm_kernel_module(root: str, relpath: str):
+    """vLLM 0.33.0's Python module ``relpath`` (e.g. ``models/kimi_k3/nvidia/ops/attn_res.py``)
+    loaded from its wheel unpacked at ``root`` (``pip download --no-deps vllm==0.33.0`` and
+    unzip), for its Triton kernels as vLLM launches them on this GPU. vLLM's CUDA build pins
+    torch 2.14 and cannot be installed here, so the few vllm modules such a file imports
+    are stood in for: ``vllm.triton_utils`` (Triton itself), ``vllm.platforms`` (this
+    device's capability: SM100-only native kernels are not taken; PDL launches from SM90),
+    ``vllm._custom_ops`` (empty: the CUDA extension is absent)."""
+    import importlib.util
+    import sys
+    import types
+
+    import triton
+    import triton.language as tl
+
+    major, minor = torch.cuda.get_device_capability()
+    platform = types.SimpleNamespace(
+        is_device_capability_family=lambda family: major * 10 == family,
+        is_arch_support_pdl=lambda: major >= 9)
+    stubs = {"vllm": {}, "vllm._custom_ops": {}, "vllm.triton_utils": {"triton": triton, "tl": tl},
+             "vllm.platforms": {"current_platform": platform}}
+    for name, attrs in stubs.items():
+        module = sys.modules.setdefault(name, types.ModuleType(name))
+        if name == "vllm":
+            module.__path__ = []
+        for key, value in attrs.items():
+            setattr(module, key, value)
+    name = "vllm." + relpath.removesuffix(".py").replace("/", ".")
+    spec = importlib.util.spec_from_file_location(name, f"{root}/vllm/{relpath}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

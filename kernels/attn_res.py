@@ -33,6 +33,19 @@ from .common import INTERPRET, bf16_round, tl, triton
 
 NAMESPACE = "kimi_kernels"
 MAX_HIDDEN = 16384
+VERSUS_VLLM = "docs/results/attn_res_vllm_h200_v1.json"
+# Saved-block counts at which this kernel beats vLLM 0.33.0's Triton AttnRes on H200
+# (benchmarks/attn_res.py --vllm, VERSUS_VLLM): none. vLLM's takes 0.86-0.90x our time
+# at 1 block, 0.99-1.02x at 4, 0.75-0.83x at 7 (1-64 rows; it tiles four sources per
+# step where we walk them in pairs), so lower_kernels keeps vLLM's.
+FASTER_THAN_VLLM_AT_BLOCKS: frozenset[int] = frozenset()
+
+
+def versus_vllm(num_blocks: int) -> str:
+    """Why vLLM's Triton AttnRes stays at ``num_blocks`` saved blocks ('' where ours is faster)."""
+    if num_blocks in FASTER_THAN_VLLM_AT_BLOCKS:
+        return ""
+    return f"vLLM's Triton kernel is as fast or faster on H200 ({VERSUS_VLLM})"
 
 
 def supported(hidden: int, dtype: torch.dtype) -> str:

@@ -13,6 +13,9 @@ Matches and produces (M = rows, at most 64):
     kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
     kimi.dsa_decode(...)  (DSA, no DCP)             kimi_kernels.dsa_decode(...)
     kimi.attn_res(prefix, delta, bank, ...)         kimi_kernels.attn_res(prefix, delta, bank, ...)
+    another spelling's AttnRes (vLLM's Triton       kimi_kernels.attn_res(...), only at block counts
+      _attn_res_kernel launch)                        where ours is faster (attn_res.versus_vllm:
+                                                      none on H200, so vLLM's stays)
     <GEMM>(rms_norm(x, w_n, eps), W, acc)           kimi_kernels.rms_norm_mm(x, w_n, eps, W, acc, dt)
     situ_and_mul(<GEMM>(x, W), b, lb)               kimi_kernels.mm_situ(x, W, b, lb)
 
@@ -131,7 +134,8 @@ class LowerKernels:
         for res in [c for c in decoder_calls if isinstance(c, roles.AttnRes) and c.spelling != "kimi"]:
             info.matched += 1
             prefix = res.arg("prefix").meta["val"]
-            why = attn_res_kernel.supported(prefix.shape[-1], prefix.dtype)
+            why = attn_res_kernel.supported(prefix.shape[-1], prefix.dtype) or \
+                attn_res_kernel.versus_vllm(res.arg("num_blocks"))
             if why:
                 kept[f"AttnRes ({res.spelling}): {why}"] += 1
                 continue

@@ -44,6 +44,11 @@ aten, prims = torch.ops.aten, torch.ops.prims
 kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
 
 
+def _ours() -> tuple:
+    vllm_op = getattr(getattr(torch.ops, "kimi_vllm", None), "mega_moe", None)
+    return (kk.mega_moe.default, kk.expert_ffn.default) + ((vllm_op.default,) if vllm_op is not None else ())
+
+
 class MegaMoE:
     name = "mega_moe"
 
@@ -55,16 +60,15 @@ class MegaMoE:
             if layer.moe is None:
                 continue
             call = OpCall.of(layer.moe.node)
-            if call.op in (kk.mega_moe.default, kk.expert_ffn.default):  # already ours
+            if call.op in _ours():  # already ours
                 continue
             info.matched += 1
-            if call.op not in (kimi.ep_experts.default, kimi.fused_experts.default):
-                why = f"{layer.moe.spelling} MoE op {call.op._schema.name} kept (issue 17: not routed yet)"
-                routed[layer.moe.node] = why
+            if layer.moe.refusal:
+                routed[layer.moe.node] = why = f"{layer.moe.spelling} MoE kept: {layer.moe.refusal}"
                 if why not in info.skipped:
                     info.skipped.append(why)
                 continue
-            op, what = _route(g, call)
+            op, what = _route_layer(g, layer.moe) if layer.moe.kind == "layer" else _route(g, call)
             dg.replaced(call.node, op)
             routed[op] = what
             info.rewritten += 1
@@ -102,6 +106,23 @@ def _route(g: fx.Graph, call: OpCall) -> tuple[fx.Node, str]:
     return op, f"{what}; {impl}: {why}"
 
 
+def _route_layer(g: fx.Graph, moe) -> tuple[fx.Node, str]:
+    """Replace a whole-layer MoE op (vLLM's ``moe_forward_shared``) by ``kimi_vllm.mega_moe``,
+    which returns the same (shared, routed) pair."""
+    from kimi_inductor import vllm_moe
+
+    node, inputs = moe.node, moe.inputs
+    latent = inputs["latent"].meta["val"]
+    with g.inserting_before(node):
+        op = g.call_function(vllm_moe.mega_moe._opoverload, tuple(
+            inputs[k] for k in ("latent", "router_logits", "shared_in", "layer_name")))
+    node.replace_all_uses_with(op)
+    g.erase_node(node)
+    impl, why = mega_moe.implementation(latent.device, latent.shape[1], latent.shape[1])  # the width: at run time
+    return op, (f"kimi_vllm.mega_moe: vLLM's router and shared experts, our EP experts over vLLM's EP group, "
+                f"padding rows not routed; {impl}: {why}")
+
+
 def _fill_rows(g: fx.Graph, x: fx.Node, mask: fx.Node, value) -> fx.Node:
     """``where(mask, value, x)`` as post-grad graphs spell ``masked_fill``."""
     val = x.meta["val"]
@@ -115,4 +136,4 @@ def _annotate(ctx, routed: dict[fx.Node, str]) -> None:
         if layer.moe is not None:
             node = layer.moe.node
             ctx.note(layer.index, MegaMoE.name, "moe", routed.get(node, "stock"),
-                     rewritten=node in routed and OpCall.of(node).op in (kk.mega_moe.default, kk.expert_ffn.default))
+                     rewritten=node in routed and OpCall.of(node).op in _ours())

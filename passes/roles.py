@@ -115,9 +115,21 @@ class Core:
 
 @dataclass
 class Experts:
+    """kind ``ep`` / ``tp``: the routed experts of a stock MoE (expert-parallel over the
+    group / TP-sharded); ``layer``: the whole MoE layer in one op that finds its weights
+    by layer name at run time, with ``inputs`` latent, router_logits, shared_in,
+    layer_name (read from the call as it is now: passes re-slice them), or ``refusal``
+    saying why it cannot be routed through ours."""
+
     node: fx.Node
     kind: str  # ep | tp | layer
     spelling: str
+    bind: Callable[[fx.Node], dict[str, Any]] | None = None  # the call's current inputs by name
+    refusal: str = ""
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        return {} if self.bind is None else self.bind(self.node)
 
 
 @dataclass(frozen=True)

@@ -262,3 +262,25 @@ def test_plugin_makes_k3_compilable_when_asked(model_dir, monkeypatch):
     assert set(K3_ARCHITECTURES) == {"KimiLinearForCausalLM", "KimiK3ForConditionalGeneration"}
     backbone = k3.KimiLinearModel  # what KimiLinearForCausalLM builds
     assert backbone is ours_k3.KimiLinearModel and issubclass(backbone, TorchCompileWithNoGuardsWrapper)
+
+
+def test_our_moe_op_refuses_experts_it_cannot_run():
+    """kimi_vllm.mega_moe reads a vLLM MoE layer's experts as loaded: quantized experts
+    and a non-contiguous (EPLB-style) placement are refused with the reason, never run."""
+    from types import SimpleNamespace
+
+    from kimi_inductor import vllm_moe
+
+    def runner(dtype, expert_map=None, ep_rank=1):
+        experts = SimpleNamespace(w13_weight=torch.zeros(2, 8, 4, dtype=dtype), w2_weight=torch.zeros(2, 4, 4),
+                                  expert_map=expert_map)
+        return SimpleNamespace(layer_name="model.layers.1.mlp.experts", routed_experts=experts,
+                               moe_config=SimpleNamespace(ep_rank=ep_rank))
+
+    with pytest.raises(ValueError, match="unquantized experts.*issue 18"):
+        vllm_moe._experts(runner(torch.uint8))
+    shuffled = torch.tensor([-1, -1, 1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"not the contiguous block \[2, 4\)"):
+        vllm_moe._experts(runner(torch.bfloat16, shuffled))
+    w13, _, first = vllm_moe._experts(runner(torch.bfloat16, torch.tensor([-1, -1, 0, 1], dtype=torch.int32)))
+    assert first == 2 and w13.shape == (2, 8, 4)

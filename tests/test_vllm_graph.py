@@ -1,9 +1,11 @@
 """vLLM 0.33.0's own Kimi K3 backbone on CPU (``kimi_inductor.vllm_cpu``): the graph it
 hands our passes, by role, at TP 1 and in the SP layout at TP 2 and 4; what our passes
-make of it (every layer into the hybrid step, the report, snapshots of a rewritten KDA
-and MLA layer); compiled with ``kimi_specialized`` against vLLM eager, at TP 1 and on 2
-and 4 gloo ranks: bitwise with hybrid_attention, in the bf16 band with every pass (our
-AttnRes kernel rounds differently from vLLM's).
+make of it (every layer into the hybrid step, every MoE through our EP op, the report,
+snapshots of a rewritten KDA and MLA layer); compiled with ``kimi_specialized`` against
+vLLM eager, at TP 1 and on 2 and 4 gloo ranks: bitwise with hybrid_attention, in the
+bf16 band with every pass (our experts, and our AttnRes kernel where chosen, round
+differently from vLLM's); vLLM's compilation modes 1 and 2, its AOT artifact saved and
+loaded.
 
 Snapshots: ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_vllm_graph.py -k snapshot``.
 
@@ -81,27 +83,27 @@ def capture_tp(tp):
     return out
 
 
-def mode2_through_vllms_wrapper():
-    """Compilation mode 2 as vLLM runs it: the backbone's ``support_torch_compile``
-    wrapper (ours, from ``vllm_k3``) compiles it with ``backend="kimi_specialized"``
-    resolved by name, options from ``additional_config``; the deployment check's GPU
-    test stubbed (the CPU stands in for an H200), vLLM's AOT compile off (our backend's
-    result is not serializable: docs/vllm.md)."""
+def through_vllm(mode, cache_root):
+    """One decode step of vLLM's K3 compiled in compilation mode ``mode`` as vLLM does
+    it, with ``backend="kimi_specialized"`` resolved by name and options from
+    ``additional_config``; vLLM's AOT cache under ``cache_root``. The deployment check's
+    GPU test is stubbed (the CPU stands in for an H200)."""
     import os
+    import shutil
 
-    os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    os.environ["VLLM_CACHE_ROOT"] = str(cache_root)
     from kimi_inductor import config, vllm_cpu
     from kimi_inductor.passes import manager
 
     make_config, check = vllm_cpu.vllm_config_for, config.unsupported
 
-    def mode2_config(path, tp=1, max_model_len=256):
-        c = make_config(path, tp, max_model_len)
-        c.compilation_config.mode, c.compilation_config.backend = 2, "kimi_specialized"
+    def vllm_config_for(path, tp=1, max_model_len=256):  # one model path in every process: vLLM's cache key
+        c = make_config(shutil.copytree(path, Path(cache_root) / "model", dirs_exist_ok=True), tp, max_model_len)
+        c.compilation_config.mode, c.compilation_config.backend = mode, "kimi_specialized"
         c.additional_config = {"kimi_inductor": {"decode_backend": "latency_specialized", "compiler": "eager"}}
         return c
 
-    vllm_cpu.vllm_config_for = mode2_config
+    vllm_cpu.vllm_config_for = vllm_config_for
     config.unsupported = lambda vllm_config, capability=None: check(vllm_config, (9, 0))
     reports, run = [], manager.KimiPasses.__call__
     manager.KimiPasses.__call__ = lambda self, graph: (run(self, graph), reports.append(self.report.to_dict()))
@@ -109,9 +111,14 @@ def mode2_through_vllms_wrapper():
     batch = vllm_cpu.decode_batch(model, vllm_config, ROWS, PADDING)
     step = vllm_cpu.next_step(vllm_config, batch)
     vllm_cpu._prefill_kernel_arg_names()
+    if mode == 1:  # vLLM's model runner compiles the whole model itself (the backbone's wrapper stands aside)
+        model.compile(fullgraph=True, backend=vllm_config.compilation_config.init_backend(vllm_config))
     with torch.no_grad(), vllm_cpu.forward_context(vllm_config, step):
-        out = model.model(step.input_ids, step.positions, None)
-    return {"reports": reports, "finite": bool(torch.isfinite(out[:ROWS]).all()), "backbone": type(model.model).__module__}
+        out = model(step.input_ids, step.positions, None)
+    backbone = model.model
+    return {"reports": reports, "out": out[:ROWS].clone(), "backbone": type(backbone).__module__,
+            "aot": getattr(backbone, "aot_compiled_fn", None) is not None,
+            "loaded": getattr(backbone, "was_aot_compile_fn_loaded_from_disk", False)}
 
 
 def copy_graph(gm):
@@ -173,8 +180,17 @@ def tp1_capture_and_numerics(steps):
     vllm_cpu.restart(batch)
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
     result["graphs"], result["ops"] = len(graphs), vllm_cpu.op_counts(graphs[0])
-    result.update(eager_and_compiled(vllm_config, model, batch, steps))
+    result.update(eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, ours_at_every_block,
+                                                                                 EVERY_PASS)))
     return result
+
+
+def ours_at_every_block():
+    """Make lower_kernels choose our AttnRes kernel over vLLM's (on H200 it keeps vLLM's:
+    kernels/attn_res.py), so the swap itself is exercised."""
+    from kimi_inductor.kernels import attn_res
+
+    attn_res.FASTER_THAN_VLLM_AT_BLOCKS = frozenset(range(64))
 
 
 def replica_row_errors(vllm_config, model, batch, steps):
@@ -207,7 +223,8 @@ EVERY_PASS = {"compiler": "eager"}
 
 def eager_and_compiled(vllm_config, model, batch, steps, rows=ROWS, options=(EVERY_PASS,)):
     """``steps`` steps of vLLM eager, then of the backbone compiled with each of
-    ``options``, from the same state (live rows only)."""
+    ``options`` (a callable there runs between two compiles), from the same state (live
+    rows only)."""
     from kimi_inductor import vllm_cpu
 
     def run(step_fn):
@@ -217,6 +234,9 @@ def eager_and_compiled(vllm_config, model, batch, steps, rows=ROWS, options=(EVE
     out = {"eager": run(lambda step: vllm_cpu.eager_step(model, vllm_config, step)), "compiled": [],
            "reports": []}
     for opts in options:
+        if callable(opts):  # a change between two compiles
+            opts()
+            continue
         compiled = vllm_cpu.compile_backbone(model, "kimi_specialized", opts,
                                              inductor_config={"pattern_matcher": False})
         out["compiled"].append(run(lambda step: compiled.step(vllm_config, step)))
@@ -281,15 +301,22 @@ def test_tp1_vllm_eager_agrees_with_our_replica(tp1):
 
 
 def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
-    """One rank: hybrid_attention has nothing to do; our AttnRes kernel takes vLLM's
-    (lower_kernels), so the agreement is the bf16 band over 8 steps; one graph, compiled
-    once."""
-    assert len(tp1["reports"][0]) == 1 and len(tp1["eager"]) == 8
-    report = tp1["reports"][0][0]
-    assert report["layout"] == "single" and all(l["spelling"] == "vllm" for l in report["layers"])
-    assert all(l["rewritten_by"] == ["lower_kernels"] and "AttnRes: fused x2" in l["notes"]["kernels"]
-               for l in report["layers"])
-    assert_in_band(tp1["eager"], tp1["compiled"][0])
+    """One rank: hybrid_attention has nothing to do; our EP op takes vLLM's MoE op
+    (mega_moe); lower_kernels keeps vLLM's AttnRes kernel (faster on H200) unless told
+    ours is faster, then swaps it. The bf16 band over 8 steps either way; one graph each,
+    compiled once."""
+    assert [len(r) for r in tp1["reports"]] == [1, 1] and len(tp1["eager"]) == 8
+    kept, swapped = (r[0] for r in tp1["reports"])
+    for layer in kept["layers"]:  # layer 0 is dense
+        assert layer["spelling"] == "vllm" and layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0), layer
+    lowered = next(p for p in kept["passes"] if p["name"] == "lower_kernels")
+    assert any("AttnRes (vllm): vLLM's Triton kernel is as fast or faster on H200" in s for s in lowered["skipped"])
+    for layer in swapped["layers"]:
+        assert layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0) + ["lower_kernels"], layer
+        assert "AttnRes: fused x2" in layer["notes"]["kernels"]
+    assert kept["layout"] == "single"
+    for compiled in tp1["compiled"]:
+        assert_in_band(tp1["eager"], compiled)
 
 
 def test_docs_list_every_shim(tp1):
@@ -329,7 +356,9 @@ def test_every_layer_of_vllms_sp_graph_becomes_the_hybrid_step(captured, tp):
     assert report["decoder"] and report["layout"] == "sp" and report["layout_after"] == "hybrid"
     assert [l["kind"] for l in report["layers"]] == ["kda"] * KDA_LAYERS + ["mla"] * MLA_LAYERS
     for layer in report["layers"]:
-        assert layer["spelling"] == "vllm" and "hybrid_attention" in layer["rewritten_by"], layer
+        assert layer["spelling"] == "vllm", layer
+        assert layer["rewritten_by"] == ["hybrid_attention"] + ["mega_moe"] * (layer["index"] > 0)
+    assert all("kimi_vllm.mega_moe" in l["notes"]["moe"] for l in report["layers"][1:])
     assert "dense MLP on all rows (row-local)" in report["layers"][0]["reason"]
     assert all("MoE on the rank's row shard" in l["reason"] for l in report["layers"][1:])
     assert report["collectives_before"] == {"all_reduce": 1, "all_gather": L + 1, "reduce_scatter": L}
@@ -487,18 +516,31 @@ def test_snapshot_vllm_mla_attention_g2(captured):
 %38 = vllm.all_reduce(%37, 'tp:0')  : bf16[3, 128]""")
 
 
-def test_mode2_compiles_the_backbone_through_vllms_wrapper():
-    result = isolated(mode2_through_vllms_wrapper)
-    assert result["backbone"] == "kimi_inductor.vllm_k3" and result["finite"]
-    assert len(result["reports"]) == 1  # fullgraph: one graph
-    report = result["reports"][0]
-    assert report["decoder"] and [l["spelling"] for l in report["layers"]] == ["vllm"] * L
+def test_modes_1_and_2_compile_through_vllm_and_mode_2_saves_and_loads(tmp_path):
+    """Mode 1 (STOCK_TORCH_COMPILE: vLLM's model runner compiles the whole model) and
+    mode 2 (DYNAMO_TRACE_ONCE: the backbone's ``support_torch_compile`` wrapper, ours
+    from ``vllm_k3``, through Dynamo's AOT compile, vLLM's default on torch >= 2.10; a
+    first process compiles and saves the artifact, a second loads it and compiles the
+    saved graph again): one graph each, every layer matched in vLLM's spelling, the same
+    output."""
+    mode1 = isolated(through_vllm, 1, tmp_path)
+    saved = isolated(through_vllm, 2, tmp_path)
+    loaded = isolated(through_vllm, 2, tmp_path)
+    assert saved["backbone"] == "kimi_inductor.vllm_k3"
+    assert [(r["aot"], r["loaded"]) for r in (mode1, saved, loaded)] == [(False, False), (True, False), (True, True)]
+    for result in (mode1, saved, loaded):
+        assert len(result["reports"]) == 1  # fullgraph: one graph
+        report = result["reports"][0]
+        assert report["decoder"] and [l["spelling"] for l in report["layers"]] == ["vllm"] * L
+        assert torch.isfinite(result["out"]).all()
+        assert torch.equal(result["out"], saved["out"])
 
 
 @pytest.mark.slow
 def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     """2 ranks, T = 3 (an SP pad row and a padding request), 8 steps: the hybrid step is
-    bitwise vLLM's SP forward; with every pass, the bf16 band."""
+    bitwise vLLM's SP forward; with every pass (the MoE through our EP op over vLLM's EP
+    group), the bf16 band."""
     from kimi_inductor.launch import run_ranks
 
     results = run_ranks(gloo_rank, 2, 2, ROWS, 8)
@@ -507,6 +549,8 @@ def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     for rank in results:
         hybrid, every = rank["reports"]
         assert len(hybrid) == 1 and hybrid[0]["layout_after"] == "hybrid"
+        assert [l["rewritten_by"] for l in every[0]["layers"]] == (
+            [["hybrid_attention"]] + [["hybrid_attention", "mega_moe"]] * MOE_LAYERS)
         assert_bitwise(rank["eager"], rank["compiled"][0])
         assert_in_band(rank["eager"], rank["compiled"][1])
     for a, b in zip(results[0]["eager"], results[1]["eager"]):  # the final all-gather: every rank holds all rows

@@ -15,7 +15,8 @@ module needs neither vLLM nor its CUDA extension to be importable.
     MLA       ``_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (the q concat and
               cache insert that starts every MLA decode core)
     experts   ``vllm::moe_forward_shared`` / ``vllm::moe_forward``: the whole MoE (top-k,
-              routed and shared experts) in one op that finds its layer by name
+              routed and shared experts) in one op that finds its layer by name; and
+              ``kimi_vllm::mega_moe``, ours in its place
     collectives ``vllm::all_gather(x, 0, G, group)``, ``vllm::reduce_scatter(y, 0, G, group)``,
               ``vllm::all_reduce(y, group)``; with CUDA custom all-reduce (SP gathers of
               small inputs) ``_C_custom_ar::custom_all_gather`` / ``custom_reduce_scatter``
@@ -43,6 +44,7 @@ KDA_KERNELS = {f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_packed
                f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_fwd_kernel"}
 CORE_OPS = {"_C::fused_kda_decode": "kda", "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": "mla"}
 EXPERT_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
+LAYER_MOE_INPUTS = ("latent", "router_logits", "shared_in", "layer_name")
 ROW_LOCAL_OPS = {"vllm_ir::rms_norm": ("x",), "_C::situ_and_mul": ("input",)}
 
 
@@ -100,7 +102,19 @@ def _core(node: fx.Node) -> Core | None:
 
 
 def _experts(node: fx.Node) -> Experts | None:
-    return Experts(node, "layer", NAME) if _op_name(node) in EXPERT_OPS else None
+    """``moe_forward_shared(hidden_states, router_logits, shared_experts_input, input_ids,
+    layer_name, hidden_dim_unpadded) -> (shared, routed)``; ``moe_forward`` (no shared
+    experts, writes its input) is recognised and kept."""
+    name = _op_name(node)
+    if name == "kimi_vllm::mega_moe":  # ours, in its place (the mega_moe pass)
+        return Experts(node, "layer", NAME, lambda n: dict(zip(LAYER_MOE_INPUTS, n.args)))
+    if name not in EXPERT_OPS:
+        return None
+    input_ids = node.args[3] if len(node.args) > 3 else None
+    refusal = ("vllm::moe_forward (a MoE without shared experts) is not routed: K3's MoE always has them"
+               if name == "vllm::moe_forward" else
+               "input_ids-based (hash) routing is not routed through ours" if input_ids is not None else "")
+    return Experts(node, "layer", NAME, lambda n: dict(zip(LAYER_MOE_INPUTS, (*n.args[:3], n.args[4]))), refusal)
 
 
 def _vllm(name: str):

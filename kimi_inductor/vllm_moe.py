@@ -1,0 +1,110 @@
+"""``kimi_vllm::mega_moe``: vLLM's K3 MoE layer run through our expert-parallel op.
+
+    (shared, routed) = kimi_vllm.mega_moe(latent, router_logits, shared_in, layer_name)
+
+stands where vLLM's graph has ``vllm.moe_forward_shared(latent, router_logits, shared_in,
+None, layer_name, 0)`` (the ``mega_moe`` pass swaps one for the other) and returns what
+it returns: latent [c, L] bf16 (this rank's c rows: the SP / hybrid row shard, or all
+rows without SP), router_logits [c, E] fp32, shared_in [c, H] bf16; shared [c, H] bf16
+(the shared experts of ``shared_in``), routed [c, L] bf16 (the weighted sum of each
+row's top-k experts, wherever they live).
+
+At run time, as vLLM's own op, it finds the layer (vLLM's ``MoERunner``) by name in the
+forward context and uses, as loaded:
+
+* its shared experts module and its router (``select_experts``: vLLM's routing, bias for
+  selection only, renormalised and scaled weights);
+* its routed experts' ``w13_weight`` [E_local, 2 I, L] (gate rows first) and
+  ``w2_weight`` [E_local, L, I], bf16, with vLLM's contiguous expert-parallel partition
+  (rank r holds experts [r E_local, (r + 1) E_local): checked against the layer's expert
+  map), SiTU's two betas from the layer's MoE config;
+* ``forward_context.is_padding`` [T] (all T rows of the step): the rows of this shard
+  that are padding (or the SP pad beyond T) get expert id -1 and weight 0, so no rank
+  computes them; their routed output is zero (vLLM computes and discards them).
+
+The routed experts then run as ``kimi_kernels::mega_moe`` over vLLM's EP group
+(dispatch all-gather, grouped experts, combine reduce-scatter; DeepGEMM on SM100). The
+layer's ``max_num_tokens`` bounds the rows. Quantized experts raise ``ValueError``
+(MXFP4 on Hopper: issue 18).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name
+
+from .kernels import mega_moe as ep
+
+NAMESPACE = "kimi_vllm"
+
+
+def _layer(layer_name):
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().no_compile_layers[_resolve_layer_name(layer_name)]
+
+
+def _padding(rows: int, sequence_parallel: bool) -> Tensor | None:
+    """[rows] bool: which of this rank's rows are padding (None: none known)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.forward_context import get_forward_context
+
+    is_padding = get_forward_context().is_padding
+    if is_padding is None:
+        return None
+    start = get_tensor_model_parallel_rank() * rows if sequence_parallel else 0
+    mask = torch.ones(rows, dtype=torch.bool, device=is_padding.device)  # SP pad rows beyond T
+    own = is_padding[start:start + rows]
+    mask[:own.numel()] = own
+    return mask
+
+
+def _experts(runner) -> tuple[Tensor, Tensor, int]:
+    """(w13, w2, first global expert id) of this rank, as vLLM loaded them."""
+    experts, config = runner.routed_experts, runner.moe_config
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    if w13.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"kimi_vllm.mega_moe runs unquantized experts; layer {runner.layer_name} has {w13.dtype} "
+                         "experts (MXFP4 experts on Hopper: issue 18). Leave 'mega_moe' out of the passes.")
+    first = config.ep_rank * w13.shape[0]
+    expert_map = experts.expert_map
+    if expert_map is not None:
+        local = torch.arange(w13.shape[0], dtype=expert_map.dtype, device=expert_map.device)
+        if not torch.equal(expert_map[first:first + w13.shape[0]], local):
+            raise ValueError(f"layer {runner.layer_name}: its experts are not the contiguous block "
+                             f"[{first}, {first + w13.shape[0]}) (EPLB or a non-linear expert placement); "
+                             "kimi_vllm.mega_moe needs vLLM's default linear placement")
+    return w13, w2, first
+
+
+def _group_name(runner) -> str:
+    from vllm.distributed import get_ep_group
+
+    return get_ep_group().device_group.group_name if runner.moe_config.ep_size > 1 else ""
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mega_moe", mutates_args=())
+def mega_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
+             layer_name: LayerNameType) -> tuple[Tensor, Tensor]:
+    runner = _layer(layer_name)
+    config = runner.moe_config
+    shared = runner._shared_experts._layer(shared_in)
+    weights, ids = runner.router.select_experts(hidden_states=latent, router_logits=router_logits)
+    pad = _padding(latent.shape[0], config.is_sequence_parallel)
+    if pad is not None:
+        weights = weights.masked_fill(pad[:, None], 0.0)
+        ids = ids.masked_fill(pad[:, None], -1)
+    w13, w2, first = _experts(runner)
+    betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+    if None in betas:
+        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.mega_moe runs SiTU experts with both betas set; its "
+                         f"MoE config has activation_situ_beta, activation_situ_linear_beta = {betas}")
+    routed = ep.mega_moe(latent, weights.float(), ids.int(), w13, w2, first, _group_name(runner),
+                         config.max_num_tokens, *betas)
+    return shared, routed
+
+
+@mega_moe.register_fake
+def _(latent, router_logits, shared_in, layer_name):
+    return torch.empty_like(shared_in), torch.empty_like(latent)
