@@ -1,8 +1,10 @@
 """The RMSNorm before a GEMM and the SiTU-GLU after one, as post-grad (aten) patterns.
 
 Inductor pattern-matcher patterns of stock's functions as AOTAutograd decomposes them
-(``stock.attn_res.rms_norm``, ``stock.layers.situ_and_mul``); ``lower_kernels`` fuses a
-matched pair into one CuTe GEMV (``kimi_kernels.rms_norm_mm`` / ``mm_situ``).
+(``stock.attn_res.rms_norm``, ``stock.layers.situ_and_mul``), and a spelling's RMSNorm op
+and SiTU op (``roles.rms_norm`` / ``roles.situ``: vLLM's ``vllm_ir.rms_norm``,
+``_C.situ_and_mul``); ``lower_kernels`` fuses a matched pair
+into one CuTe GEMV (``kimi_kernels.rms_norm_mm`` / ``mm_situ``).
 
     rms_norm(x, w, eps)   mul(bf16(mul(xf, rsqrt(add(mean(pow(xf, 2), [-1], True), eps)))), w)
                           with xf = f32(x)
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 from torch import fx
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match
+
+from . import roles
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -49,17 +53,25 @@ def _bind(pattern, node) -> dict[str, Any] | None:
 
 
 def rms_norm_of(node) -> tuple[fx.Node, fx.Node, float] | None:
-    """(x, norm_weight, eps) when ``node`` is stock's RMSNorm of x and the GEMM is its only
-    reader; else None."""
+    """(x, norm_weight, eps) when ``node`` is stock's RMSNorm of x (the aten pattern, or a
+    spelling's RMSNorm op: ``roles.rms_norm``) and the GEMM is its only reader; else None."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None
+    spelled = roles.rms_norm(node)
+    if spelled is not None:
+        return spelled
     kw = _bind(RMS_NORM, node)
-    if kw is None or len(node.users) != 1 or kw["dtype"] != kw["x"].meta["val"].dtype:
+    if kw is None or kw["dtype"] != kw["x"].meta["val"].dtype:
         return None
     return kw["x"], kw["norm_weight"], float(kw["eps"])
 
 
 def situ_of(node) -> tuple[fx.Node, float, float] | None:
     """(h, beta, linear_beta) when ``node`` is stock's SiTU-GLU of h [M, 2 d], halves [:d]
-    and [d:] of the same h, which nothing else reads; else None."""
+    and [d:] of the same h, which nothing else reads (the aten pattern, or a spelling's
+    SiTU op: ``roles.situ``); else None."""
+    if isinstance(node, fx.Node) and (spelled := roles.situ(node)) is not None:
+        return spelled
     kw = _bind(SITU, node)
     if kw is None:
         return None

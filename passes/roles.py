@@ -154,6 +154,8 @@ class Spelling:
     experts: Callable[[fx.Node], Experts | None]
     collectives: CollectiveSpelling | None = None
     row_local: dict[str, tuple[str, ...]] = field(default_factory=dict)  # op name -> arguments read row by row
+    rms_norm: Callable[[fx.Node], tuple[Any, Any, float] | None] = lambda node: None  # (x, weight, eps): stock's
+    situ: Callable[[fx.Node], tuple[Any, float, float] | None] = lambda node: None  # (h, beta, linear_beta)
     notes: str = ""  # what it covers, for docs and reports
 
 
@@ -189,6 +191,18 @@ def core(node: fx.Node) -> Core | None:
 
 def experts(node: fx.Node) -> Experts | None:
     return _first("experts", node)
+
+
+def rms_norm(node: fx.Node) -> tuple[Any, Any, float] | None:
+    """(x, weight, eps) where a spelling's op at ``node`` is stock's weighted RMSNorm of x
+    (normalise in fp32, round to the weight dtype, scale, back to x's dtype)."""
+    return _first("rms_norm", node)
+
+
+def situ(node: fx.Node) -> tuple[Any, float, float] | None:
+    """(h, beta, linear_beta) where a spelling's op yields stock's SiTU-GLU of h at
+    ``node`` (its output, which nothing but this op computes) and nothing else reads h."""
+    return _first("situ", node)
 
 
 def collective_spelling(name: str) -> CollectiveSpelling:

@@ -284,3 +284,80 @@ def test_our_moe_op_refuses_experts_it_cannot_run():
         vllm_moe._experts(runner(torch.bfloat16, shuffled))
     w13, _, first = vllm_moe._experts(runner(torch.bfloat16, torch.tensor([-1, -1, 0, 1], dtype=torch.int32)))
     assert first == 2 and w13.shape == (2, 8, 4)
+
+
+@pytest.mark.skipif(bool(__import__("kimi_inductor.kernels", fromlist=["skinny_gemm"]).skinny_gemm.cute_available()),
+                    reason="the fusions live in the CuTe GEMV (the cute extra)")
+def test_vllm_rms_norm_fuses_into_its_gemm_and_computes_the_same():
+    """vLLM's ``vllm_ir.rms_norm`` before the latent MoE's up-projection (TP8 per-rank
+    shapes, one row) becomes one ``kimi_kernels.rms_norm_mm``, as stock's RMSNorm does;
+    on CPU the fused op equals vLLM's norm and the GEMM bitwise."""
+    import vllm.ir.ops  # noqa: F401  (registers vllm_ir::rms_norm)
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kimi_inductor.config import Options
+    from kimi_inductor.passes.decoder import DecoderGraph
+    from kimi_inductor.passes.lower_kernels import LowerKernels
+    from kimi_inductor.passes.manager import PassContext
+    from kimi_inductor.passes.report import MatchReport
+
+    def tail(y, norm_weight, w_up, shared):
+        return torch.addmm(shared, torch.ops.vllm_ir.rms_norm(y, norm_weight, 1e-5), w_up.t())
+
+    bf16 = torch.bfloat16
+    with FakeTensorMode():
+        gm = make_fx(tail, decomposition_table=select_decomp_table())(
+            torch.empty(1, 3584, dtype=bf16), torch.empty(3584, dtype=bf16), torch.empty(7168, 3584, dtype=bf16),
+            torch.empty(1, 7168, dtype=bf16))
+    gm.graph.eliminate_dead_code()
+    LowerKernels()(gm, PassContext(gm, Options(), MatchReport(), DecoderGraph()))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.kimi_kernels.rms_norm_mm.default]
+
+    g = torch.Generator().manual_seed(0)
+    x, w, nw, acc = (torch.randn(*s, generator=g).to(bf16) for s in [(3, 64), (32, 64), (64,), (3, 32)])
+    assert torch.equal(torch.ops.kimi_kernels.rms_norm_mm(x, nw, 1e-5, w, acc, bf16),
+                       torch.addmm(acc, torch.ops.vllm_ir.rms_norm(x, nw, 1e-5), w.t()))
+
+
+@pytest.mark.skipif(bool(__import__("kimi_inductor.kernels", fromlist=["skinny_gemm"]).skinny_gemm.cute_available()),
+                    reason="the fusions live in the CuTe GEMV (the cute extra)")
+def test_vllm_situ_and_mul_fuses_into_its_gemm():
+    """vLLM's ``_C.situ_and_mul`` (as a post-grad graph holds it: auto_functionalized_v2
+    writing a fresh ``out``) after the shared experts' gate_up GEMM (TP8 per-rank shapes,
+    one row) becomes one ``kimi_kernels.mm_situ``, as stock's SiTU does."""
+    import operator
+
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx import Graph, GraphModule
+
+    from kimi_inductor.config import Options
+    from kimi_inductor.passes.decoder import DecoderGraph
+    from kimi_inductor.passes.lower_kernels import LowerKernels
+    from kimi_inductor.passes.manager import PassContext
+    from kimi_inductor.passes.report import MatchReport
+
+    if not hasattr(torch.ops._C, "situ_and_mul"):  # vLLM's CUDA extension's schema (it is not built for CPU)
+        torch.library.define("_C::situ_and_mul", "(Tensor(a!) out, Tensor input, float beta, float linear_beta) -> ()")
+        torch.library.impl("_C::situ_and_mul", "CompositeExplicitAutograd", lambda *args: None)
+    bf16, aten = torch.bfloat16, torch.ops.aten
+    g = Graph()
+    with FakeTensorMode():
+        x, w = g.placeholder("x"), g.placeholder("w")
+        x.meta["val"], w.meta["val"] = torch.empty(1, 7168, dtype=bf16), torch.empty(12288, 7168, dtype=bf16)
+        wt = g.call_function(aten.permute.default, (w, [1, 0]))
+        wt.meta["val"] = w.meta["val"].t()
+        h = g.call_function(aten.mm.default, (x, wt))
+        h.meta["val"] = torch.empty(1, 12288, dtype=bf16)
+        out = g.call_function(aten.empty.memory_format, ([1, 6144],), {"dtype": bf16})
+        out.meta["val"] = torch.empty(1, 6144, dtype=bf16)
+        situ = g.call_function(auto_functionalized_v2, (torch.ops._C.situ_and_mul.default,), dict(
+            input=h, beta=4.0, linear_beta=25.0, _out_base_index=0, _all_bases=[out]))
+        y = g.call_function(operator.getitem, (situ, 1))
+        y.meta["val"] = out.meta["val"]
+        g.output(y)
+    gm = GraphModule(torch.nn.Module(), g)
+    LowerKernels()(gm, PassContext(gm, Options(), MatchReport(), DecoderGraph()))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.kimi_kernels.mm_situ.default]

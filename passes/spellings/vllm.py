@@ -14,6 +14,8 @@ module needs neither vLLM nor its CUDA extension to be importable.
               that follows the conv update; q is not visible in the call
     MLA       ``_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (the q concat and
               cache insert that starts every MLA decode core)
+    RMSNorm   ``vllm_ir::rms_norm(x, weight, epsilon)``; SiTU-GLU ``_C::situ_and_mul(out,
+              input, beta, linear_beta)`` (the fusions of a norm / SiTU with their GEMM)
     experts   ``vllm::moe_forward_shared`` / ``vllm::moe_forward``: the whole MoE (top-k,
               routed and shared experts) in one op that finds its layer by name; and
               ``kimi_vllm::mega_moe``, ours in its place
@@ -181,5 +183,32 @@ COLLECTIVES = CollectiveSpelling(
     complete=_complete,
 )
 
-SPELLING = Spelling(NAME, _attn_res, _core, _experts, COLLECTIVES, row_local=ROW_LOCAL_OPS,
+def _rms_norm(node: fx.Node) -> tuple[Any, Any, float] | None:
+    """``vllm_ir::rms_norm(x, weight, epsilon, variance_size=None)``, weighted over the
+    whole row: stock's RMSNorm (vLLM's reference rounds to the weight dtype, then scales)."""
+    if _op_name(node) != "vllm_ir::rms_norm":
+        return None
+    args = {**dict(zip(("x", "weight", "epsilon", "variance_size"), node.args)), **node.kwargs}
+    if args.get("weight") is None or args.get("variance_size") is not None:
+        return None
+    return args["x"], args["weight"], float(args["epsilon"])
+
+
+def _situ(node: fx.Node) -> tuple[Any, float, float] | None:
+    """``getitem(auto_functionalized_v2(_C.situ_and_mul, input=h, beta, linear_beta,
+    out=empty), 1)``: the op's output buffer, its only use; linear_beta > 0 (<= 0 is vLLM's
+    "unset", which stock's SiTU does not have)."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return None
+    call = OpCall.of(node.args[0])
+    if call is None or not call.wrapped or call.op._schema.name != "_C::situ_and_mul" or len(call.node.users) != 1:
+        return None
+    h, beta, linear_beta = call.arg("input"), call.arg("beta"), call.arg("linear_beta")
+    if not isinstance(h, fx.Node) or len(h.users) != 1 or linear_beta <= 0:
+        return None
+    return h, float(beta), float(linear_beta)
+
+
+SPELLING = Spelling(NAME, _attn_res, _core, _experts, COLLECTIVES, row_local=ROW_LOCAL_OPS, rms_norm=_rms_norm,
+                    situ=_situ,
                     notes="vLLM 0.33.0's Kimi K3: Triton launches, _C ops, vllm:: collectives")

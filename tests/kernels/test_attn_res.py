@@ -15,7 +15,7 @@ HIDDEN = 7168 if DEVICE == "cuda" else 96  # K3's hidden size on the GPU; toy ro
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("num_blocks, write_idx", [(0, 0), (1, -1), (3, -1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("num_blocks, write_idx", [(0, 0), (1, -1), (3, -1), (3, 2), (4, 1), (5, 4), (6, -1)])
 @pytest.mark.parametrize("with_delta, with_out_norm", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matches_stock(rows, num_blocks, write_idx, with_delta, with_out_norm, dtype):
