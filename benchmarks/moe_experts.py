@@ -8,13 +8,16 @@ bf16 weights, top-16), at c rows per rank:
 * Inductor + graph: the capturable form of the stock math (every local expert on every
   row, routing weight 0 where not routed: batched GEMMs), compiled by Inductor and
   captured in the CUDA graph;
-* floor: the weights of the experts that got a pair, plus activations, at 4.28 TB/s.
+* floor: the weights of the experts that got a pair, plus activations, at 4.28 TB/s;
+* ``--mxfp4``: ours on MXFP4 experts (``expert_ffn_mxfp4``'s kernels; 4.25 bits per
+  weight) against the floor of those bytes, and its error against ours on the
+  dequantised experts.
 
 ``--experts 112`` is a rank of EP 8 (it runs the 16 c (token, expert) pairs of the
 group's 8 c rows that hit its experts, i.e. as many as c rows with 16 local experts
 each); ``--experts 896`` is EP 1.
 
-    python benchmarks/moe_experts.py --experts 112 896 --rows 1 8 32 64 --json moe_experts.json
+    python benchmarks/moe_experts.py --experts 112 896 --rows 1 8 32 64 --json moe_experts.json [--mxfp4]
     python benchmarks/moe_experts.py --smoke     # CPU, tiny shapes: checks the script runs
 """
 
@@ -68,6 +71,7 @@ def main(argv=None) -> Results:
     p.add_argument("--experts", type=int, nargs="+", default=[112, 896])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--bn", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--mxfp4", action="store_true", help="also our kernel on MXFP4 experts (random codes and scales)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -80,6 +84,12 @@ def main(argv=None) -> Results:
     w13 = torch.empty(E_max, 2 * I, L, dtype=torch.bfloat16, device=device).normal_(0, L**-0.5)
     w2 = torch.empty(E_max, L, I, dtype=torch.bfloat16, device=device).normal_(0, I**-0.5)
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    if args.mxfp4:  # the checkpoint's layout: two E2M1 codes per byte, one E8M0 scale per 32 values
+        q13, q2 = (torch.randint(0, 256, (*w.shape[:2], w.shape[2] // 2), dtype=torch.uint8, device=device)
+                   for w in (w13, w2))
+        s13, s2 = (torch.randint(120, 128, (*w.shape[:2], w.shape[2] // 32), dtype=torch.uint8, device=device)
+                   for w in (w13, w2))
+        mx_bytes = expert_bytes // 4 + expert_bytes // 32
     dense = torch.compile(dense_experts, dynamic=False)
     res = Results("moe_experts")
     for E in experts:
@@ -101,6 +111,22 @@ def main(argv=None) -> Results:
                 row[f"ours_bn{bn}_us"] = t
             best = min(row[f"ours_bn{bn}_us"] for bn in args.bn)
             row["ours_us"], row["ours_of_ceiling"] = best, fl / best
+            if args.mxfp4:
+                mx = (latent, weights, ids, q13[:E], q2[:E])
+                scales = (s13[:E], s2[:E])
+                if E <= 128:  # against our bf16 kernel on the dequantised experts (the same bf16 weights)
+                    deq = (X.dequantize(q13[:E], s13[:E]), X.dequantize(q2[:E], s2[:E]))
+                    mine, bf16 = (X.grouped(*mx, BETA, LINEAR_BETA, *scales),
+                                  X.grouped(latent, weights, ids, *deq, BETA, LINEAR_BETA))
+                    row["mxfp4_rel_err"] = float(((mine - bf16).norm(dim=1) / bf16.norm(dim=1)).max())
+                    del deq
+                for bn in args.bn:
+                    row[f"mxfp4_bn{bn}_us"] = graph_time_us(
+                        lambda i: X.grouped(*mx, BETA, LINEAR_BETA, *scales, BN=bn), calls=5, replays=5)
+                row["mxfp4_us"] = min(row[f"mxfp4_bn{bn}_us"] for bn in args.bn)
+                row["mxfp4_floor_us"] = floor_us(active * mx_bytes + rows * L * (2 + 4))
+                row["mxfp4_of_ceiling"] = row["mxfp4_floor_us"] / row["mxfp4_us"]
+                row["mxfp4_speedup"] = best / row["mxfp4_us"]
             row["stock_loop_eager_us"] = eager_time_us(lambda: X.reference(*a, BETA, LINEAR_BETA))
             row["inductor_dense_us"] = graph_time_us(lambda i: dense(*a), calls=2, replays=3)
             row["dense_floor_us"] = floor_us(E * expert_bytes)

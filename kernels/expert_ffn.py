@@ -37,6 +37,7 @@ import functools
 import torch
 from torch import Tensor
 
+from kimi_inductor.stock.checkpoint import mxfp4_dequantize
 from kimi_inductor.stock.moe import combine_experts
 
 from .common import INTERPRET, bf16_round, tl, triton
@@ -90,9 +91,47 @@ if triton is not None:
         return tl.where(x < 0, -t, t)
 
     @triton.jit
-    def _up_kernel(x_ptr, stride_x, w13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta, linear_beta,
-                   TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                   ROUND: tl.constexpr):
+    def _e2m1(code):
+        """fp32 value of 4-bit E2M1 codes: sign bit 3, exponent bits 2-1, mantissa bit 0."""
+        e = ((code >> 1) & 3).to(tl.float32)
+        m = (code & 1).to(tl.float32)
+        value = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2(e - 1.0))
+        return tl.where((code & 8) != 0, -value, value)
+
+    @triton.jit
+    def _mxfp4_halves(w_ptr, s_ptr, rows, rb, KB, mask):
+        """The even- and odd-column [BK / 2, BN] tiles (bf16) of rows ``rows`` of an MXFP4
+        weight with KB bytes per row: contiguous bytes ``rb`` (low nibble = even column),
+        one E8M0 scale per 16 bytes (x 2^(s - 127)); each value as ``mxfp4_dequantize``
+        rounds it."""
+        byte = tl.load(w_ptr + rows[None, :] * KB + rb[:, None], mask=mask, other=0)
+        scale = tl.load(s_ptr + rows[None, :] * (KB // 16) + (rb // 16)[:, None], mask=mask, other=127)
+        scale = tl.exp2(scale.to(tl.float32) - 127.0)
+        return (_e2m1(byte & 15) * scale).to(tl.bfloat16), (_e2m1(byte >> 4) * scale).to(tl.bfloat16)
+
+    @triton.jit
+    def _dot(a, b, acc, DOT_F32: tl.constexpr):
+        if DOT_F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _dot_mxfp4(x_row, xmask, w_ptr, s_ptr, rows, wmask_n, k0, K, acc, BK: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+        """acc + x[:, k0:k0+BK] W[rows, k0:k0+BK]^T for an MXFP4 W with K columns, as two dots
+        over the even and the odd columns (each weight byte read once, contiguously)."""
+        rb = k0 // 2 + tl.arange(0, BK // 2)
+        bmask = rb < K // 2
+        lo, hi = _mxfp4_halves(w_ptr, s_ptr, rows, rb, K // 2, bmask[:, None] & wmask_n[None, :])
+        x_even = tl.load(x_row + (2 * rb)[None, :], mask=xmask[:, None] & bmask[None, :], other=0.0)
+        x_odd = tl.load(x_row + (2 * rb + 1)[None, :], mask=xmask[:, None] & bmask[None, :], other=0.0)
+        return _dot(x_odd, hi, _dot(x_even, lo, acc, DOT_F32), DOT_F32)
+
+    @triton.jit
+    def _up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta,
+                   linear_beta, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr):
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
         if count == 0:
@@ -100,27 +139,28 @@ if triton is not None:
         start = tl.load(starts_ptr + e)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < I
-        w_base = w13_ptr + e.to(tl.int64) * 2 * I * L
+        w_base = w13_ptr + e.to(tl.int64) * 2 * I * (L // 2 if MXFP4 else L)
+        s_base = s13_ptr + e.to(tl.int64) * 2 * I * (L // 32)
         for m0 in range(0, count, BM):
             rm = m0 + tl.arange(0, BM)
             mmask = rm < count
             token = tl.load(order_ptr + start + rm, mask=mmask, other=0) // TOP_K
             acc_g = tl.zeros([BM, BN], dtype=tl.float32)
             acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+            x_rows = x_ptr + token[:, None].to(tl.int64) * stride_x
             for k0 in range(0, L, BK):
-                rk = k0 + tl.arange(0, BK)
-                kmask = rk < L
-                x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + rk[None, :],
-                            mask=mmask[:, None] & kmask[None, :], other=0.0)
-                wmask = kmask[:, None] & nmask[None, :]
-                wg = tl.load(w_base + rn[None, :] * L + rk[:, None], mask=wmask, other=0.0)  # [BK, BN]
-                wu = tl.load(w_base + (I + rn)[None, :] * L + rk[:, None], mask=wmask, other=0.0)
-                if DOT_F32:
-                    acc_g = tl.dot(x.to(tl.float32), wg.to(tl.float32), acc_g, input_precision="ieee")
-                    acc_u = tl.dot(x.to(tl.float32), wu.to(tl.float32), acc_u, input_precision="ieee")
+                if MXFP4:
+                    acc_g = _dot_mxfp4(x_rows, mmask, w_base, s_base, rn, nmask, k0, L, acc_g, BK, DOT_F32)
+                    acc_u = _dot_mxfp4(x_rows, mmask, w_base, s_base, I + rn, nmask, k0, L, acc_u, BK, DOT_F32)
                 else:
-                    acc_g = tl.dot(x, wg, acc_g)
-                    acc_u = tl.dot(x, wu, acc_u)
+                    rk = k0 + tl.arange(0, BK)
+                    kmask = rk < L
+                    x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+                    wmask = kmask[:, None] & nmask[None, :]
+                    wg = tl.load(w_base + rn[None, :] * L + rk[:, None], mask=wmask, other=0.0)  # [BK, BN]
+                    wu = tl.load(w_base + (I + rn)[None, :] * L + rk[:, None], mask=wmask, other=0.0)
+                    acc_g = _dot(x, wg, acc_g, DOT_F32)
+                    acc_u = _dot(x, wu, acc_u, DOT_F32)
             gate = bf16_round(acc_g, ROUND)
             up = bf16_round(acc_u, ROUND)
             act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
@@ -128,9 +168,9 @@ if triton is not None:
                      bf16_round(act, ROUND).to(h_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, L, I,
+    def _down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, L, I,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                     ROUND: tl.constexpr):
+                     ROUND: tl.constexpr, MXFP4: tl.constexpr):
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
         if count == 0:
@@ -138,21 +178,23 @@ if triton is not None:
         start = tl.load(starts_ptr + e)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < L
-        w_base = w2_ptr + e.to(tl.int64) * L * I
+        w_base = w2_ptr + e.to(tl.int64) * L * (I // 2 if MXFP4 else I)
+        s_base = s2_ptr + e.to(tl.int64) * L * (I // 32)
         for m0 in range(0, count, BM):
             rm = m0 + tl.arange(0, BM)
             mmask = rm < count
             acc = tl.zeros([BM, BN], dtype=tl.float32)
+            h_rows = h_ptr + (start + rm)[:, None].to(tl.int64) * I
             for k0 in range(0, I, BK):
-                rk = k0 + tl.arange(0, BK)
-                kmask = rk < I
-                h = tl.load(h_ptr + (start + rm)[:, None].to(tl.int64) * I + rk[None, :],
-                            mask=mmask[:, None] & kmask[None, :], other=0.0)
-                w = tl.load(w_base + rn[None, :] * I + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                if DOT_F32:
-                    acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                if MXFP4:
+                    acc = _dot_mxfp4(h_rows, mmask, w_base, s_base, rn, nmask, k0, I, acc, BK, DOT_F32)
                 else:
-                    acc = tl.dot(h, w, acc)
+                    rk = k0 + tl.arange(0, BK)
+                    kmask = rk < I
+                    h = tl.load(h_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+                    w = tl.load(w_base + rn[None, :] * I + rk[:, None], mask=kmask[:, None] & nmask[None, :],
+                                other=0.0)
+                    acc = _dot(h, w, acc, DOT_F32)
             pair = tl.load(order_ptr + start + rm, mask=mmask, other=0)
             weight = tl.load(weights_ptr + pair, mask=mmask, other=0.0)
             y = bf16_round(acc, ROUND) * weight[:, None]
@@ -204,13 +246,17 @@ def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tens
 
 
 def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
-            linear_beta: float, BM: int | None = None, BN: int = 32, BK: int = 128, num_stages: int = 3,
-            num_warps: int = 4) -> Tensor:
-    """The Triton implementation; tile sizes as arguments for the benchmark's sweep."""
+            linear_beta: float, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
+            BM: int | None = None, BN: int = 32, BK: int = 128, num_stages: int = 3, num_warps: int = 4) -> Tensor:
+    """The Triton implementation (MXFP4 weights when their scales are given); tile sizes
+    as arguments for the benchmark's sweep."""
     T, top_k = topk_ids.shape
-    E, two_i, L = w13.shape
+    E, two_i, L = w13.shape[0], w13.shape[1], latent.shape[1]
     I = two_i // 2
+    mxfp4 = w13_scale is not None
     assert latent.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+    if mxfp4:
+        assert w13_scale.is_contiguous() and w2_scale.is_contiguous() and BK % 32 == 0
     order, starts, counts, position = group_pairs(topk_ids, E)
     pairs = T * top_k
     h = latent.new_empty(pairs, I)
@@ -218,11 +264,11 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
     tiles = dict(BM=BM or block_rows(pairs, E), BN=BN, BK=BK)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-                 ROUND=latent.dtype == torch.bfloat16, num_warps=num_warps, num_stages=num_stages)
-    _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, order, starts, counts, h, L, I, beta,
-                                        linear_beta, TOP_K=top_k, **tiles, **flags)
-    _down_kernel[(E, triton.cdiv(L, BN))](h, w2, topk_weights.contiguous().view(-1), order, starts, counts, y, L,
-                                          I, **tiles, **flags)
+                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, num_warps=num_warps, num_stages=num_stages)
+    _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order, starts,
+                                        counts, h, L, I, beta, linear_beta, TOP_K=top_k, **tiles, **flags)
+    _down_kernel[(E, triton.cdiv(L, BN))](h, w2, w2_scale if mxfp4 else w2, topk_weights.contiguous().view(-1),
+                                          order, starts, counts, y, L, I, **tiles, **flags)
     block = 512
     _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block)
     return out
@@ -234,3 +280,29 @@ expert_ffn.register_fake(_fake)
 def reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta) -> Tensor:
     """The stock expert loop over the local experts (fp32 sum in expert order)."""
     return combine_experts(latent, topk_weights, topk_ids, w13, w2, 0, beta, linear_beta)
+
+
+def _fake_mxfp4(latent, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+    return latent.new_empty(latent.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::expert_ffn_mxfp4", mutates_args=())
+def expert_ffn_mxfp4(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
+                     w2: Tensor, w2_scale: Tensor, beta: float, linear_beta: float) -> Tensor:
+    """``expert_ffn`` with the experts as the checkpoint stores them: MXFP4 w13 [E, 2 I, L / 2]
+    uint8 + w13_scale [E, 2 I, L / 32] uint8, w2 [E, L, I / 2] + w2_scale [E, L, I / 32]
+    (``stock.checkpoint``'s format), dequantised tile by tile in registers: the result
+    is ``expert_ffn`` of the dequantised experts (the same kernels, the same bf16 weights)."""
+    if implementation(latent.device)[0] != "triton" or latent.dtype not in (torch.bfloat16, torch.float32):
+        return reference(latent, topk_weights, topk_ids, dequantize(w13, w13_scale), dequantize(w2, w2_scale),
+                         beta, linear_beta)
+    return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
+
+
+expert_ffn_mxfp4.register_fake(_fake_mxfp4)
+
+
+def dequantize(packed: Tensor, scales: Tensor) -> Tensor:
+    """[E, N, K / 2] MXFP4 + [E, N, K / 32] scales -> [E, N, K] bf16 (``mxfp4_dequantize`` per expert)."""
+    E, N, _ = packed.shape
+    return mxfp4_dequantize(packed.reshape(E * N, -1), scales.reshape(E * N, -1)).view(E, N, -1)

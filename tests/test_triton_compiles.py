@@ -63,3 +63,25 @@ def test_split_k_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
     src = ASTSource(tl_dot._mm_kernel, sig, constexprs={**cfg, "HAS_ACC": False, "DOT_F32": dot_f32})
     ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
     assert ("tf32" in ptx) != dot_f32
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4):
+    """The grouped expert kernels with the weights in registers from bf16 or MXFP4 (uint8
+    codes + E8M0 scales, dequantised to bf16 for the tensor-core dot)."""
+    from kimi_inductor.kernels import expert_ffn
+
+    weight = "*u8" if mxfp4 else "*bf16"
+    tiles = {"BM": 16, "BN": 32, "BK": 128, "DOT_F32": False, "ROUND": True, "MXFP4": mxfp4}
+    up = {"x_ptr": "*bf16", "stride_x": "i32", "w13_ptr": weight, "s13_ptr": "*u8" if mxfp4 else weight,
+          "order_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32", "h_ptr": "*bf16", "L": "i32", "I": "i32",
+          "beta": "fp32", "linear_beta": "fp32", "TOP_K": "constexpr", **{k: "constexpr" for k in tiles}}
+    down = {"h_ptr": "*bf16", "w2_ptr": weight, "s2_ptr": "*u8" if mxfp4 else weight, "weights_ptr": "*fp32",
+            "order_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32", "y_ptr": "*fp32", "L": "i32", "I": "i32",
+            **{k: "constexpr" for k in tiles}}
+    for kernel, sig, constexprs in ((expert_ffn._up_kernel, up, {"TOP_K": 16, **tiles}),
+                                    (expert_ffn._down_kernel, down, tiles)):
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=SM90,
+                                  options={"num_warps": 4, "num_stages": 3})
+        assert ".target sm_90" in compiled.asm["ptx"]

@@ -47,7 +47,7 @@ def mxfp4_quantize(w: Tensor) -> tuple[Tensor, Tensor]:
     amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     x = (g / torch.exp2(exp)).view(rows, cols)
-    code = (x.abs()[..., None] - E2M1).abs().argmin(-1)
+    code = (x.abs()[..., None] - E2M1.to(x.device)).abs().argmin(-1)
     code = (code | ((x < 0) & (code > 0)).long() << 3).to(torch.uint8)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)
     return packed, (exp.view(rows, cols // 32) + 127).to(torch.uint8)
@@ -56,7 +56,7 @@ def mxfp4_quantize(w: Tensor) -> tuple[Tensor, Tensor]:
 def mxfp4_dequantize(packed: Tensor, scales: Tensor) -> Tensor:
     rows = packed.shape[0]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(rows, -1).long()
-    vals = E2M1[codes & 7] * (1 - 2 * (codes >> 3)).float()
+    vals = E2M1.to(codes.device)[codes & 7] * (1 - 2 * (codes >> 3)).float()
     scale = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=1)
     return (vals * scale).to(torch.bfloat16)
 

@@ -106,3 +106,35 @@ def test_fp32_situ_is_accurate_at_small_arguments(lo, hi):
     # measured: interpreter 2-4 ulp (torch 2-4); H200 5-6 (torch 5-7): its exp, sigmoid and division approximate
     assert _ulps(got, exact) <= _ulps(torch_fp32, exact) + 2
     assert _ulps(got, torch_fp32) <= (4 if DEVICE == "cpu" else 8)
+
+
+# MXFP4 experts: widths multiples of 32 (one scale per 32 values)
+MX_SHAPES = [(4, 3584, 3072)] if DEVICE == "cuda" else [(5, 64, 64), (3, 160, 32)]
+
+
+def _mxfp4(w):
+    """[E, N, K] -> the checkpoint's MXFP4 (packed [E, N, K / 2], scales [E, N, K / 32])."""
+    from kimi_inductor.stock.checkpoint import mxfp4_quantize
+
+    E, N, K = w.shape
+    packed, scales = mxfp4_quantize(w.reshape(E * N, K))
+    return packed.view(E, N, K // 2), scales.view(E, N, K // 32)
+
+
+@pytest.mark.parametrize("E, L, I", MX_SHAPES)
+@pytest.mark.parametrize("T, k", [(1, 16), (8, 16), (5, 3)])
+def test_mxfp4_experts_are_the_experts_of_their_dequantised_weights(T, k, E, L, I):
+    """expert_ffn_mxfp4 dequantises each weight tile in registers exactly as the loader's
+    ``mxfp4_dequantize`` does, then sums its dots over even and odd columns: within the
+    tolerance above of the stock loop on the dequantised experts."""
+    g = torch.Generator().manual_seed(T * k + 1)
+    ids = torch.randint(-1, 2 * E, (T, k), generator=g)
+    latent, weights, ids, w13, w2 = _inputs(T, k, E, L, I, ids, seed=T + 1)
+    (q13, s13), (q2, s2) = _mxfp4(w13), _mxfp4(w2)
+    deq13, deq2 = X.dequantize(q13, s13), X.dequantize(q2, s2)
+    assert deq13.shape == w13.shape and deq2.shape == w2.shape
+    got = torch.ops.kimi_kernels.expert_ffn_mxfp4(latent, weights, ids, q13, s13, q2, s2, 4.0, 25.0)
+    want = X.reference(latent, weights, ids, deq13, deq2, 4.0, 25.0)
+    err = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
+    assert err.max() < 1e-2, f"row relative error {err.max():.2e}"
+    assert ((got - want).abs() <= 2**-5 * want.abs().amax(1, keepdim=True) + 1e-6).all()
