@@ -3,7 +3,10 @@
 Semantics: ``kimi::kda_decode`` (stock/kda.py) with the decay-gate projection folded
 in: ``g1 = f_a @ f_b_weight^T`` (bf16 GEMM), i.e. f_b_proj, short conv, gates, beta,
 the delta rule over the q tokens of each request and the gated RMSNorm, updating the
-conv and recurrent states in place.
+conv and recurrent states in place. States are addressed by slot stride: each slot's
+conv window [2 + q, 3 P] (channels contiguous) and recurrent state [H, V, K]
+(contiguous) may sit in a larger per-slot page, as vLLM binds a KDA layer's two states
+as dtype views of one int8 page.
 
 Layout: one program per (request, head, V block) with its rows of the head's fp32 state
 S [V, K] in registers (D = 128, one V block: 128 values per thread at 4 warps). The program loads the head's
@@ -62,7 +65,8 @@ if triton is not None:
     def _kda_decode_kernel(
         qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
         convw_ptr, alog_ptr, dtb_ptr, normw_ptr,
-        conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr, cnt_ptr,
+        conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, stride_rec_s, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr,
+        cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
         NV: tl.constexpr,
@@ -118,7 +122,7 @@ if triton is not None:
         norm_w = tl.load(normw_ptr + d).to(tl.float32)
         start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
         head = h * D * D
-        S = tl.load(rec_ptr + start_slot * H * D * D + head + v[:, None] * D + d[None, :])  # [BV, K]
+        S = tl.load(rec_ptr + start_slot * stride_rec_s + head + v[:, None] * D + d[None, :])  # [BV, K]
         # Every thread must have read the saved conv window and state before any thread
         # overwrites them (a token's state may land in the slot it started from, and
         # the new conv rows overlap the window; elements can be replicated across threads).
@@ -165,7 +169,7 @@ if triton is not None:
             slot_t = tl.load(slots_ptr + r * Q + t)
             keep = live & (slot_t > 0)
             slot_t = tl.maximum(slot_t, 0).to(tl.int64)
-            tl.store(rec_ptr + slot_t * H * D * D + head + v[:, None] * D + d[None, :], S, mask=keep)
+            tl.store(rec_ptr + slot_t * stride_rec_s + head + v[:, None] * D + d[None, :], S, mask=keep)
             if NV == 1:
                 _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
             else:
@@ -223,7 +227,7 @@ def kda_decode(
         return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                          conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
     R, Q = state_slots.shape
-    assert recurrent_state.is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
+    assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
     out = torch.empty_like(g2)
     nv = v_split(R, H)
     _kda_decode_kernel[(R, H, nv)](*kernel_args(
@@ -269,7 +273,8 @@ def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bia
     cnt = arrival_counters(out.device, R * H) if nv > 1 else state_slots
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
             conv_weight, A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
-            recurrent_state, state_slots, num_accepted, out, out.stride(0), ws, cnt, lower_bound, norm_eps)
+            recurrent_state, recurrent_state.stride(0), state_slots, num_accepted, out, out.stride(0), ws, cnt,
+            lower_bound, norm_eps)
 
 
 kda_decode.register_fake(_fake)

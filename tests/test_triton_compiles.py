@@ -85,3 +85,25 @@ def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4):
         compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=SM90,
                                   options={"num_warps": 4, "num_stages": 3})
         assert ".target sm_90" in compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("nv", [1, 4])
+def test_kda_kernel_compiles_for_sm90(nv):
+    """The fused KDA decode kernel at TP8 per-rank shapes (12 heads of 128), states
+    addressed by slot stride."""
+    from kimi_inductor.kernels import kda_decode
+
+    ptrs = {"qkv_ptr": "*bf16", "fa_ptr": "*bf16", "fbw_ptr": "*bf16", "g2_ptr": "*bf16", "beta_ptr": "*bf16",
+            "convw_ptr": "*fp32", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "normw_ptr": "*bf16", "conv_ptr": "*bf16",
+            "rec_ptr": "*fp32", "slots_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+            "cnt_ptr": "*i32"}
+    ints = ("stride_qkv", "stride_fa", "stride_g2", "stride_beta", "stride_conv_s", "stride_conv_r", "stride_rec_s",
+            "stride_out")
+    params = kda_decode._kda_decode_kernel.arg_names
+    constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv}
+    sig = {name: ptrs.get(name) or ("i32" if name in ints else "fp32" if name in ("lower_bound", "eps")
+                                    else "constexpr") for name in params}
+    compiled = triton.compile(ASTSource(kda_decode._kda_decode_kernel, sig, constexprs=constexprs), target=SM90,
+                              options={"num_warps": 4})
+    assert ".target sm_90" in compiled.asm["ptx"]

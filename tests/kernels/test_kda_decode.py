@@ -56,3 +56,31 @@ def test_kernel_matches_reference(R, q, H, D, dtype, nv, monkeypatch):
     torch.testing.assert_close(dev["recurrent_state"].cpu(), want_rec, atol=1e-3, rtol=1e-3)
     live = x["state_slots"][:, 0] > 0
     assert got.view(R, q, -1)[~live.to(got.device)].abs().max() == 0 if (~live).any() else True
+
+
+@pytest.mark.parametrize("H, D", SHAPES)
+def test_states_as_views_of_one_page_per_slot(H, D):
+    """vLLM binds a KDA layer's conv and recurrent states as bf16 / fp32 views of one int8
+    page per slot (slot stride = the page, not the state): the kernel reads and writes
+    them there, and leaves the rest of each page alone."""
+    R, q = 3, 1
+    x = inputs(R, q, H, D, seed=7)
+    conv, rec = x["conv_state"], x["recurrent_state"]
+    conv_bytes, rec_bytes = conv[0].numel() * 2, rec[0].numel() * 4
+    page = torch.randint(-128, 128, (conv.shape[0], conv_bytes + rec_bytes + 64), dtype=torch.int8)
+    page_conv = page[:, :conv_bytes].view(torch.bfloat16).view(conv.shape)
+    page_rec = page[:, conv_bytes:conv_bytes + rec_bytes].view(torch.float32).view(rec.shape)
+    page_conv.copy_(conv)
+    page_rec.copy_(rec)
+    want_conv, want_rec = conv.clone(), rec.clone()
+    want = K.reference(**{**x, "conv_state": want_conv, "recurrent_state": want_rec})
+    page = page.to(DEVICE)
+    tail = page[:, conv_bytes + rec_bytes:].clone()
+    dev_conv = page[:, :conv_bytes].view(torch.bfloat16).view(conv.shape)
+    dev_rec = page[:, conv_bytes:conv_bytes + rec_bytes].view(torch.float32).view(rec.shape)
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    got = torch.ops.kimi_kernels.kda_decode(**{**dev, "conv_state": dev_conv, "recurrent_state": dev_rec})
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(dev_conv.cpu(), want_conv)
+    torch.testing.assert_close(dev_rec.cpu(), want_rec, atol=1e-3, rtol=1e-3)
+    assert torch.equal(page[:, conv_bytes + rec_bytes:], tail)
