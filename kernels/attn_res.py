@@ -36,8 +36,8 @@ MAX_HIDDEN = 16384
 VERSUS_VLLM = "docs/results/attn_res_vllm_h200_v1.json"
 # Saved-block counts at which this kernel beats vLLM 0.33.0's Triton AttnRes on H200
 # (benchmarks/attn_res.py --vllm, VERSUS_VLLM): none. vLLM's takes 0.86-0.90x our time
-# at 1 block, 0.99-1.02x at 4, 0.75-0.83x at 7 (1-64 rows; it tiles four sources per
-# step where we walk them in pairs), so lower_kernels keeps vLLM's.
+# at 1 block, 0.99-1.02x at 4, 0.75-0.83x at 7 (1-64 rows), so lower_kernels keeps
+# vLLM's. Its four-source tiles are not why (ours with them measured the same).
 FASTER_THAN_VLLM_AT_BLOCKS: frozenset[int] = frozenset()
 
 
