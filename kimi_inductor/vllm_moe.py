@@ -60,6 +60,9 @@ def _padding(rows: int, sequence_parallel: bool) -> Tensor | None:
     return mask
 
 
+_CONTIGUOUS: set[str] = set()  # layers whose expert map was checked (vLLM's warmup runs before CUDA-graph capture)
+
+
 def _experts(runner) -> tuple[Tensor, Tensor, int]:
     """(w13, w2, first global expert id) of this rank, as vLLM loaded them."""
     experts, config = runner.routed_experts, runner.moe_config
@@ -69,12 +72,13 @@ def _experts(runner) -> tuple[Tensor, Tensor, int]:
                          "experts (MXFP4 experts on Hopper: issue 18). Leave 'mega_moe' out of the passes.")
     first = config.ep_rank * w13.shape[0]
     expert_map = experts.expert_map
-    if expert_map is not None:
+    if expert_map is not None and runner.layer_name not in _CONTIGUOUS:  # checked once (a host sync): warmup
         local = torch.arange(w13.shape[0], dtype=expert_map.dtype, device=expert_map.device)
         if not torch.equal(expert_map[first:first + w13.shape[0]], local):
             raise ValueError(f"layer {runner.layer_name}: its experts are not the contiguous block "
                              f"[{first}, {first + w13.shape[0]}) (EPLB or a non-linear expert placement); "
                              "kimi_vllm.mega_moe needs vLLM's default linear placement")
+        _CONTIGUOUS.add(runner.layer_name)
     return w13, w2, first
 
 

@@ -32,6 +32,8 @@ lower_kernels.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import fx
 
@@ -44,9 +46,7 @@ aten, prims = torch.ops.aten, torch.ops.prims
 kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
 
 
-def _ours() -> tuple:
-    vllm_op = getattr(getattr(torch.ops, "kimi_vllm", None), "mega_moe", None)
-    return (kk.mega_moe.default, kk.expert_ffn.default) + ((vllm_op.default,) if vllm_op is not None else ())
+OURS = {"kimi_kernels::mega_moe", "kimi_kernels::expert_ffn", "kimi_vllm::mega_moe"}  # what this pass emits
 
 
 class MegaMoE:
@@ -60,7 +60,7 @@ class MegaMoE:
             if layer.moe is None:
                 continue
             call = OpCall.of(layer.moe.node)
-            if call.op in _ours():  # already ours
+            if call.op._schema.name in OURS:  # already ours
                 continue
             info.matched += 1
             if layer.moe.refusal:
@@ -109,12 +109,11 @@ def _route(g: fx.Graph, call: OpCall) -> tuple[fx.Node, str]:
 def _route_layer(g: fx.Graph, moe) -> tuple[fx.Node, str]:
     """Replace a whole-layer MoE op (vLLM's ``moe_forward_shared``) by ``kimi_vllm.mega_moe``,
     which returns the same (shared, routed) pair."""
-    from kimi_inductor import vllm_moe
-
+    importlib.import_module("kimi_inductor.vllm_moe")  # registers kimi_vllm::mega_moe (needs vLLM)
     node, inputs = moe.node, moe.inputs
     latent = inputs["latent"].meta["val"]
     with g.inserting_before(node):
-        op = g.call_function(vllm_moe.mega_moe._opoverload, tuple(
+        op = g.call_function(torch.ops.kimi_vllm.mega_moe.default, tuple(
             inputs[k] for k in ("latent", "router_logits", "shared_in", "layer_name")))
     node.replace_all_uses_with(op)
     g.erase_node(node)
@@ -136,4 +135,4 @@ def _annotate(ctx, routed: dict[fx.Node, str]) -> None:
         if layer.moe is not None:
             node = layer.moe.node
             ctx.note(layer.index, MegaMoE.name, "moe", routed.get(node, "stock"),
-                     rewritten=node in routed and OpCall.of(node).op in _ours())
+                     rewritten=node in routed and OpCall.of(node).op._schema.name in OURS)
