@@ -10,8 +10,9 @@ bf16 weights, top-16), at c rows per rank:
   captured in the CUDA graph;
 * floor: the weights of the experts that got a pair, plus activations, at 4.28 TB/s;
 * ``--mxfp4``: ours on MXFP4 experts (``expert_ffn_mxfp4``'s kernels; 4.25 bits per
-  weight) against the floor of those bytes, and its error against ours on the
-  dequantised experts.
+  weight) against the floor of those bytes, its error against ours on the dequantised
+  experts, and (EP 8 shapes) Inductor on the MXFP4 experts: every local expert
+  dequantised, then the capturable dense math, compiled and captured.
 
 ``--experts 112`` is a rank of EP 8 (it runs the 16 c (token, expert) pairs of the
 group's 8 c rows that hit its experts, i.e. as many as c rows with 16 local experts
@@ -47,6 +48,10 @@ def dense_experts(latent, weights, ids, w13, w2):
     return (y.float() * route.t()[:, :, None]).sum(0)
 
 
+def dequant_dense(latent, weights, ids, q13, q2, s13, s2):
+    return dense_experts(latent, weights, ids, X.dequantize(q13, s13), X.dequantize(q2, s2))
+
+
 def routing(rows: int, experts: int, top_k: int, gen: torch.Generator, device):
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)]).int()
     weights = torch.rand(rows, top_k, generator=gen)
@@ -72,6 +77,8 @@ def main(argv=None) -> Results:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--bn", type=int, nargs="+", default=[32, 64])
     p.add_argument("--mxfp4", action="store_true", help="also our kernel on MXFP4 experts (random codes and scales)")
+    p.add_argument("--mxfp4-tiles", nargs="+", default=["64,128,4,3", "32,128,4,3"],
+                   help="MXFP4 tiles to time, each BN,BK,num_warps,num_stages")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -91,6 +98,7 @@ def main(argv=None) -> Results:
                    for w in (w13, w2))
         mx_bytes = expert_bytes // 4 + expert_bytes // 32
     dense = torch.compile(dense_experts, dynamic=False)
+    inductor_dequant = torch.compile(dequant_dense, dynamic=False)
     res = Results("moe_experts")
     for E in experts:
         for rows in args.rows:
@@ -120,10 +128,15 @@ def main(argv=None) -> Results:
                                   X.grouped(latent, weights, ids, *deq, BETA, LINEAR_BETA))
                     row["mxfp4_rel_err"] = float(((mine - bf16).norm(dim=1) / bf16.norm(dim=1)).max())
                     del deq
-                for bn in args.bn:
-                    row[f"mxfp4_bn{bn}_us"] = graph_time_us(
-                        lambda i: X.grouped(*mx, BETA, LINEAR_BETA, *scales, BN=bn), calls=5, replays=5)
-                row["mxfp4_us"] = min(row[f"mxfp4_bn{bn}_us"] for bn in args.bn)
+                for tile in args.mxfp4_tiles:
+                    bn, bk, w, st = map(int, tile.split(","))
+                    row[f"mxfp4_{tile.replace(',', '_')}_us"] = graph_time_us(
+                        lambda i: X.grouped(*mx, BETA, LINEAR_BETA, *scales, BN=bn, BK=bk, num_warps=w,
+                                            num_stages=st), calls=5, replays=5)
+                if E <= 128:  # Inductor: dequantise every local expert, then the capturable dense math
+                    row["inductor_dequant_dense_us"] = graph_time_us(lambda i: inductor_dequant(*mx, *scales), calls=2,
+                                                                     replays=3)
+                row["mxfp4_us"] = min(row[f"mxfp4_{t.replace(',', '_')}_us"] for t in args.mxfp4_tiles)
                 row["mxfp4_floor_us"] = floor_us(active * mx_bytes + rows * L * (2 + 4))
                 row["mxfp4_of_ceiling"] = row["mxfp4_floor_us"] / row["mxfp4_us"]
                 row["mxfp4_speedup"] = best / row["mxfp4_us"]

@@ -33,6 +33,7 @@ kernels with fp32 dots (its bf16 dot is wrong).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -117,16 +118,40 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _dot_mxfp4(x_row, xmask, w_ptr, s_ptr, rows, wmask_n, k0, K, acc, BK: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-        """acc + x[:, k0:k0+BK] W[rows, k0:k0+BK]^T for an MXFP4 W with K columns, as two dots
-        over the even and the odd columns (each weight byte read once, contiguously)."""
-        rb = k0 // 2 + tl.arange(0, BK // 2)
-        bmask = rb < K // 2
-        lo, hi = _mxfp4_halves(w_ptr, s_ptr, rows, rb, K // 2, bmask[:, None] & wmask_n[None, :])
-        x_even = tl.load(x_row + (2 * rb)[None, :], mask=xmask[:, None] & bmask[None, :], other=0.0)
-        x_odd = tl.load(x_row + (2 * rb + 1)[None, :], mask=xmask[:, None] & bmask[None, :], other=0.0)
-        return _dot(x_odd, hi, _dot(x_even, lo, acc, DOT_F32), DOT_F32)
+    def _mxfp4_matmul(x_rows, xmask, w_ptr, s_ptr, rows, wmask_n, K, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, DOT_F32: tl.constexpr):
+        """x[:, :K] W[rows]^T -> [BM, BN] fp32 for an MXFP4 W [N, K / 2 bytes] + scales [N, K / 32].
+
+        bf16 x: ``tl.dot_scaled`` with the weight as the left operand (W x^T: the weight tile
+        [BN, BK / 2] is read as stored, K-contiguous, and upcast to bf16 in registers; the
+        few rows of x are the right operand), transposed once at the end. fp32 x (and the
+        interpreter, which has no dot_scaled): the tiles dequantised here, as even- and
+        odd-column halves, and two fp32 dots."""
+        if DOT_F32:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                rb = k0 // 2 + tl.arange(0, BK // 2)
+                bmask = rb < K // 2
+                lo, hi = _mxfp4_halves(w_ptr, s_ptr, rows, rb, K // 2, bmask[:, None] & wmask_n[None, :])
+                xm = xmask[:, None] & bmask[None, :]
+                x_even = tl.load(x_rows + (2 * rb)[None, :], mask=xm, other=0.0)
+                x_odd = tl.load(x_rows + (2 * rb + 1)[None, :], mask=xm, other=0.0)
+                acc = _dot(x_even, lo, acc, True)
+                acc = _dot(x_odd, hi, acc, True)
+            return acc
+        else:
+            KB = tl.multiple_of(K // 2, 16)  # bytes per weight row (K % BK == 0: no mask along K)
+            KS = tl.multiple_of(K // 32, 4)
+            acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                rb = k0 // 2 + tl.arange(0, BK // 2)
+                rs = k0 // 32 + tl.arange(0, BK // 32)
+                w = tl.load(w_ptr + rows[:, None] * KB + rb[None, :], mask=wmask_n[:, None], other=0)
+                s = tl.load(s_ptr + rows[:, None] * KS + rs[None, :], mask=wmask_n[:, None], other=127)
+                x_t = tl.load(x_rows + rk[None, :], mask=xmask[:, None], other=0.0)
+                acc_t = tl.dot_scaled(w, s, "e2m1", tl.trans(x_t), None, "bf16", acc_t, fast_math=True)
+            return tl.trans(acc_t)
 
     @triton.jit
     def _up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta,
@@ -145,14 +170,17 @@ if triton is not None:
             rm = m0 + tl.arange(0, BM)
             mmask = rm < count
             token = tl.load(order_ptr + start + rm, mask=mmask, other=0) // TOP_K
-            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
             x_rows = x_ptr + token[:, None].to(tl.int64) * stride_x
-            for k0 in range(0, L, BK):
-                if MXFP4:
-                    acc_g = _dot_mxfp4(x_rows, mmask, w_base, s_base, rn, nmask, k0, L, acc_g, BK, DOT_F32)
-                    acc_u = _dot_mxfp4(x_rows, mmask, w_base, s_base, I + rn, nmask, k0, L, acc_u, BK, DOT_F32)
-                else:
+            if MXFP4:  # the gate and up rows as one [2 BN]-row tile, split after
+                j = tl.arange(0, 2 * BN)
+                col = tl.program_id(1) * BN + j % BN
+                acc = _mxfp4_matmul(x_rows, mmask, w_base, s_base, col + (j // BN) * I, col < I, L, BM, 2 * BN, BK,
+                                    DOT_F32)
+                acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
+            else:
+                acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+                acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+                for k0 in range(0, L, BK):
                     rk = k0 + tl.arange(0, BK)
                     kmask = rk < L
                     x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -183,12 +211,12 @@ if triton is not None:
         for m0 in range(0, count, BM):
             rm = m0 + tl.arange(0, BM)
             mmask = rm < count
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
             h_rows = h_ptr + (start + rm)[:, None].to(tl.int64) * I
-            for k0 in range(0, I, BK):
-                if MXFP4:
-                    acc = _dot_mxfp4(h_rows, mmask, w_base, s_base, rn, nmask, k0, I, acc, BK, DOT_F32)
-                else:
+            if MXFP4:
+                acc = _mxfp4_matmul(h_rows, mmask, w_base, s_base, rn, nmask, I, BM, BN, BK, DOT_F32)
+            else:
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+                for k0 in range(0, I, BK):
                     rk = k0 + tl.arange(0, BK)
                     kmask = rk < I
                     h = tl.load(h_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -255,7 +283,8 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     I = two_i // 2
     mxfp4 = w13_scale is not None
     assert latent.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
-    if mxfp4:
+    if mxfp4:  # the MXFP4 K loop has no mask along K: BK divides L and I
+        BK = math.gcd(BK, L, I)
         assert w13_scale.is_contiguous() and w2_scale.is_contiguous() and BK % 32 == 0
     order, starts, counts, position = group_pairs(topk_ids, E)
     pairs = T * top_k
@@ -296,7 +325,7 @@ def expert_ffn_mxfp4(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13
     if implementation(latent.device)[0] != "triton" or latent.dtype not in (torch.bfloat16, torch.float32):
         return reference(latent, topk_weights, topk_ids, dequantize(w13, w13_scale), dequantize(w2, w2_scale),
                          beta, linear_beta)
-    return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
+    return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale, BN=64)
 
 
 expert_ffn_mxfp4.register_fake(_fake_mxfp4)
