@@ -9,7 +9,7 @@ bf16 weights, top-16), at c rows per rank:
   row, routing weight 0 where not routed: batched GEMMs), compiled by Inductor and
   captured in the CUDA graph;
 * floor: the weights of the experts that got a pair, plus activations, at 4.28 TB/s;
-* ``--mxfp4``: ours on MXFP4 experts (``expert_ffn_mxfp4``'s kernels; 4.25 bits per
+* ``--mxfp4``: ours on MXFP4 experts (``expert_ffn`` with scales; 4.25 bits per
   weight) against the floor of those bytes, its error against ours on the dequantised
   experts, and (EP 8 shapes) Inductor on the MXFP4 experts: every local expert
   dequantised, then the capturable dense math, compiled and captured.
@@ -36,6 +36,7 @@ from common import Results, floor_us, graph_time_us  # noqa: E402
 
 from kimi_inductor.kernels import expert_ffn as X  # noqa: E402
 from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
+from kimi_inductor.stock.mxfp4 import dequantize_experts  # noqa: E402
 
 BETA, LINEAR_BETA = 4.0, 25.0
 
@@ -49,7 +50,7 @@ def dense_experts(latent, weights, ids, w13, w2):
 
 
 def dequant_dense(latent, weights, ids, q13, q2, s13, s2):
-    return dense_experts(latent, weights, ids, X.dequantize(q13, s13), X.dequantize(q2, s2))
+    return dense_experts(latent, weights, ids, dequantize_experts(q13, s13), dequantize_experts(q2, s2))
 
 
 def routing(rows: int, experts: int, top_k: int, gen: torch.Generator, device):
@@ -123,7 +124,7 @@ def main(argv=None) -> Results:
                 mx = (latent, weights, ids, q13[:E], q2[:E])
                 scales = (s13[:E], s2[:E])
                 if E <= 128:  # against our bf16 kernel on the dequantised experts (the same bf16 weights)
-                    deq = (X.dequantize(q13[:E], s13[:E]), X.dequantize(q2[:E], s2[:E]))
+                    deq = (dequantize_experts(q13[:E], s13[:E]), dequantize_experts(q2[:E], s2[:E]))
                     mine, bf16 = (X.grouped(*mx, BETA, LINEAR_BETA, *scales),
                                   X.grouped(latent, weights, ids, *deq, BETA, LINEAR_BETA))
                     row["mxfp4_rel_err"] = float(((mine - bf16).norm(dim=1) / bf16.norm(dim=1)).max())

@@ -54,6 +54,7 @@ from kimi_inductor.stock import config as stock_config
 from kimi_inductor.stock import moe as stock_moe
 from kimi_inductor.stock.batch import DecodeBatch
 from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
+from kimi_inductor.stock.mxfp4 import mxfp4_quantize
 
 VARIANTS = {  # name: (dtype, backend, options), in the order they run
     "fp32": ("float32", None, None),
@@ -84,9 +85,10 @@ def smoke_config() -> KimiK3Config:
     return KimiK3Config.preset("tiny").replace(num_experts=16, num_experts_per_token=4)
 
 
-def checkpoint(config: KimiK3Config, seed: int, device: str) -> dict[str, Tensor]:
+def checkpoint(config: KimiK3Config, seed: int, device: str, mxfp4: bool = False) -> dict[str, Tensor]:
     """``random_checkpoint`` (same scales), with the routed experts, router weights and
-    bias drawn on ``device`` (64 x 3 x 11M expert values are a minute of CPU randn)."""
+    bias drawn on ``device`` (64 x 3 x 11M expert values are a minute of CPU randn); the
+    experts MXFP4-quantised (and so loaded packed) with ``mxfp4``."""
     one = random_checkpoint(config.replace(num_experts=1), seed)
     tensors = {k: v for k, v in one.items() if ".experts." not in k}
     gen = torch.Generator(device=device).manual_seed(seed + 1000)
@@ -104,7 +106,11 @@ def checkpoint(config: KimiK3Config, seed: int, device: str) -> dict[str, Tensor
         tensors[m + "gate.e_score_correction_bias"] = torch.randn(E, generator=gen, device=device) * 0.1
         for e in range(E):
             for name, shape in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
-                tensors[f"{m}experts.{e}.{name}.weight"] = proj(*shape)
+                key = f"{m}experts.{e}.{name}.weight"
+                if mxfp4:
+                    tensors[key + "_packed"], tensors[key + "_scale"] = mxfp4_quantize(proj(*shape))
+                else:
+                    tensors[key] = proj(*shape)
     return tensors
 
 
@@ -278,6 +284,7 @@ def main(argv=None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0, help="weights")
     p.add_argument("--block", type=int, default=64, help="latent-cache block size")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--mxfp4", action="store_true", help="MXFP4 routed experts, loaded packed")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager compiler")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -290,7 +297,7 @@ def main(argv=None) -> dict[str, Any]:
 
     register()
     t0 = time.time()
-    tensors = checkpoint(config, args.seed, device)
+    tensors = checkpoint(config, args.seed, device, args.mxfp4)
     print(f"checkpoint {time.time() - t0:.1f} s", flush=True)
     models: dict[str, Any] = {}
 

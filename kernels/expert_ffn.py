@@ -38,7 +38,7 @@ import math
 import torch
 from torch import Tensor
 
-from kimi_inductor.stock.checkpoint import mxfp4_dequantize
+from kimi_inductor.stock.mxfp4 import expert_weights
 from kimi_inductor.stock.moe import combine_experts
 
 from .common import INTERPRET, bf16_round, tl, triton
@@ -261,16 +261,23 @@ def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor,
     return order.to(torch.int32), starts, counts.contiguous(), position.to(torch.int32)
 
 
-def _fake(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta):
+def _fake(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale=None, w2_scale=None):
     return latent.new_empty(latent.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::expert_ffn", mutates_args=())
 def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
-               linear_beta: float) -> Tensor:
+               linear_beta: float, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
+    """With scales, the experts are MXFP4 as the checkpoint stores them (``stock.mxfp4``):
+    w13 [E, 2 I, L / 2] uint8 codes + w13_scale [E, 2 I, L / 32], w2 [E, L, I / 2] + w2_scale
+    [E, L, I / 32], upcast tile by tile in registers: the result is the op on the
+    dequantised experts (bitwise on H200 at the default tiles: the same bf16 weights and
+    dots)."""
     if implementation(latent.device)[0] != "triton" or latent.dtype not in (torch.bfloat16, torch.float32):
-        return reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta)
-    return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta)
+        return reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
+    if w13_scale is None:
+        return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta)
+    return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale, BN=64)
 
 
 def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
@@ -306,32 +313,8 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
 expert_ffn.register_fake(_fake)
 
 
-def reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta) -> Tensor:
-    """The stock expert loop over the local experts (fp32 sum in expert order)."""
+def reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale=None, w2_scale=None) -> Tensor:
+    """The stock expert loop over the local experts (fp32 sum in expert order), on the
+    dequantised experts where they are MXFP4."""
+    w13, w2 = expert_weights(w13, w2, w13_scale, w2_scale, latent.dtype)
     return combine_experts(latent, topk_weights, topk_ids, w13, w2, 0, beta, linear_beta)
-
-
-def _fake_mxfp4(latent, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
-    return latent.new_empty(latent.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::expert_ffn_mxfp4", mutates_args=())
-def expert_ffn_mxfp4(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
-                     w2: Tensor, w2_scale: Tensor, beta: float, linear_beta: float) -> Tensor:
-    """``expert_ffn`` with the experts as the checkpoint stores them: MXFP4 w13 [E, 2 I, L / 2]
-    uint8 + w13_scale [E, 2 I, L / 32] uint8, w2 [E, L, I / 2] + w2_scale [E, L, I / 32]
-    (``stock.checkpoint``'s format), dequantised tile by tile in registers: the result
-    is ``expert_ffn`` of the dequantised experts (the same kernels, the same bf16 weights)."""
-    if implementation(latent.device)[0] != "triton" or latent.dtype not in (torch.bfloat16, torch.float32):
-        return reference(latent, topk_weights, topk_ids, dequantize(w13, w13_scale), dequantize(w2, w2_scale),
-                         beta, linear_beta)
-    return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale, BN=64)
-
-
-expert_ffn_mxfp4.register_fake(_fake_mxfp4)
-
-
-def dequantize(packed: Tensor, scales: Tensor) -> Tensor:
-    """[E, N, K / 2] MXFP4 + [E, N, K / 32] scales -> [E, N, K] bf16 (``mxfp4_dequantize`` per expert)."""
-    E, N, _ = packed.shape
-    return mxfp4_dequantize(packed.reshape(E * N, -1), scales.reshape(E * N, -1)).view(E, N, -1)

@@ -5,7 +5,8 @@ Semantics (= stock ``kimi::ep_experts``, and DeepGEMM's ``fp8_fp4_mega_moe`` up 
 FP8/FP4 quantisation): latent [c, L] bf16 (this rank's c rows), topk_weights [c, k]
 fp32, topk_ids [c, k] int32 global expert ids, -1 for a row that is not routed (the
 padding rows: the ``mega_moe`` pass sets their ids to -1 and weights to 0). Experts
-``[first_expert, first_expert + E)`` live on this rank (w13 [E, 2 I, L], w2 [E, L, I]),
+``[first_expert, first_expert + E)`` live on this rank (w13 [E, 2 I, L], w2 [E, L, I];
+or MXFP4 with ``w13_scale`` / ``w2_scale`` as ``expert_ffn`` takes them),
 the group's G ranks hold all G E of them (vLLM's ``--enable-expert-parallel``
 partition). Returns y [c, L] bf16: for each row the weighted sum of its k experts'
 outputs, wherever they live. More than ``max_num_tokens`` rows raise ``ValueError``
@@ -47,12 +48,14 @@ def check_capacity(rows: int, max_num_tokens: int) -> None:
             f"a smaller batch)")
 
 
-def implementation(device: torch.device, hidden: int, intermediate: int) -> tuple[str, str]:
+def implementation(device: torch.device, hidden: int, intermediate: int, mxfp4: bool = False) -> tuple[str, str]:
     """(name, reason) of what runs the op on ``device``: DeepGEMM MegaMoE where it can
-    (SM100), else the all-gather / grouped Triton experts / reduce-scatter path."""
+    (SM100, bf16 experts: it quantises them itself), else the all-gather / grouped
+    Triton experts / reduce-scatter path."""
     if device.type == "meta":
         return "chosen at run time", "compiled on the meta device"
-    why = deepgemm.unsupported(device, hidden, intermediate)
+    why = "the experts are already MXFP4 (ours takes them as stored)" if mxfp4 else \
+        deepgemm.unsupported(device, hidden, intermediate)
     if not why:
         return "deepgemm", "DeepGEMM fp8_fp4_mega_moe (MXFP4 experts, FP8 dispatch, NVLink exchange)"
     impl, reason = experts.implementation(device)
@@ -69,18 +72,21 @@ def _unpack(message: Tensor, like: list[Tensor]) -> list[Tensor]:
             for chunk, p in zip(message.split(widths, dim=1), like)]
 
 
-def _fake(latent, topk_weights, topk_ids, w13, w2, first_expert, group_name, max_num_tokens, beta, linear_beta):
+def _fake(latent, topk_weights, topk_ids, w13, w2, first_expert, group_name, max_num_tokens, beta, linear_beta,
+          w13_scale=None, w2_scale=None):
     return torch.empty_like(latent)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::mega_moe", mutates_args=())
 def mega_moe(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, first_expert: int,
-             group_name: str, max_num_tokens: int, beta: float, linear_beta: float) -> Tensor:
+             group_name: str, max_num_tokens: int, beta: float, linear_beta: float, w13_scale: Tensor | None = None,
+             w2_scale: Tensor | None = None) -> Tensor:
     rows = latent.shape[0]
     check_capacity(rows, max_num_tokens)
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
     size = 1 if group is None else dist.get_world_size(group)
-    if (group is not None and not deepgemm.unsupported(latent.device, latent.shape[1], w2.shape[2])
+    if (group is not None and w13_scale is None
+            and not deepgemm.unsupported(latent.device, latent.shape[1], w2.shape[2])
             and first_expert == dist.get_rank(group) * w13.shape[0]):  # DeepGEMM's contiguous partition
         return deepgemm.run(latent, topk_weights, topk_ids, w13, w2, group, max_num_tokens, beta, linear_beta)
     parts = [latent, topk_weights.float(), topk_ids.int()]
@@ -91,7 +97,8 @@ def mega_moe(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
         parts = _unpack(gathered, parts)
     all_latent, all_weights, all_ids = parts
     local_ids = torch.where(all_ids >= 0, all_ids - first_expert, -1)
-    partial = torch.ops.kimi_kernels.expert_ffn(all_latent, all_weights, local_ids, w13, w2, beta, linear_beta)
+    partial = torch.ops.kimi_kernels.expert_ffn(all_latent, all_weights, local_ids, w13, w2, beta, linear_beta,
+                                                w13_scale, w2_scale)
     if size > 1:  # combine: each row's sum over every rank's experts, on its own rank
         out = partial.new_empty(rows, partial.shape[1])
         _reduce_scatter_into(out, partial, group=group)

@@ -4,12 +4,16 @@ Matches and produces (c = this rank's rows, G = group size):
 
     before                                             after
     kimi.ep_experts(latent, w, ids, is_padding,        pad = unsqueeze(is_padding, 1)
-                    w13, w2, first, group, cap, ...)   kimi_kernels.mega_moe(latent,
-                                                           where(pad, 0, w),
+                    w13, w2, first, group, cap, ...    kimi_kernels.mega_moe(latent,
+                    [, w13_scale, w2_scale])               where(pad, 0, w),
                                                            where(pad, -1, ids),
-                                                           w13, w2, first, group, cap, ...)
+                                                           w13, w2, first, group, cap, ...
+                                                           [, w13_scale, w2_scale])
     kimi.fused_experts(latent, w, ids, w13, w2, ...)   bf16(kimi_kernels.expert_ffn(latent, w,
-                                                           ids, w13, w2, ...))
+                                                           ids, w13, w2, ... [, scales]))
+
+MXFP4 experts (the checkpoint's codes + E8M0 scales, loaded packed) keep their scales
+through the rewrite: the grouped kernels upcast them in registers.
 
 ``ep_experts`` is the SP / hybrid MoE (experts partitioned over the group, MegaMoE's
 contract): it becomes one ``mega_moe`` op (dispatch, grouped experts, combine) whose
@@ -80,12 +84,13 @@ def _route(g: fx.Graph, call: OpCall) -> tuple[fx.Node, str]:
     """Replace a stock experts call; returns our op's node and what it runs."""
     arg, node = call.arg, call.node
     latent, w2 = arg("latent").meta["val"], arg("w2").meta["val"]
+    scales = () if arg("w13_scale") is None else (arg("w13_scale"), arg("w2_scale"))
     if call.op is kimi.ep_experts.default:
-        impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2])
+        impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2], mxfp4=bool(scales))
     else:
         impl, why = expert_ffn.implementation(latent.device)
     common = (arg("w13"), arg("w2"))
-    act = (arg("beta"), arg("linear_beta"))
+    act = (arg("beta"), arg("linear_beta"), *scales)
     with g.inserting_before(node):
         if call.op is kimi.ep_experts.default:
             pad = g.call_function(aten.unsqueeze.default, (arg("is_padding"), 1))
@@ -103,7 +108,7 @@ def _route(g: fx.Graph, call: OpCall) -> tuple[fx.Node, str]:
             what = "expert_ffn: TP-sharded experts, no exchange"
     node.replace_all_uses_with(new)
     g.erase_node(node)
-    return op, f"{what}; {impl}: {why}"
+    return op, f"{what}; {'MXFP4' if scales else 'bf16'} experts; {impl}: {why}"
 
 
 def _route_layer(g: fx.Graph, moe) -> tuple[fx.Node, str]:

@@ -36,11 +36,52 @@ def test_save_load_round_trip_and_multimodal_prefix(tmp_path):
     assert t3.keys() == t.keys()
 
 
-def test_mxfp4_experts_load_dequantised():
+def _dequantised(tensors):
+    """The checkpoint with each MXFP4 expert weight written as its bf16 values."""
+    from kimi_inductor.stock.mxfp4 import mxfp4_dequantize
+
+    out = {k: v for k, v in tensors.items() if not k.endswith(("weight_packed", "weight_scale"))}
+    for k in tensors:
+        if k.endswith("weight_packed"):
+            out[k[: -len("_packed")]] = mxfp4_dequantize(tensors[k], tensors[k[: -len("packed")] + "scale"])
+    return out
+
+
+def test_mxfp4_experts_load_packed_and_compute_as_their_bf16_values():
+    """MXFP4 experts stay packed (uint8 codes + E8M0 scales: 17/64 of the bf16 bytes);
+    the model's decode step equals, bitwise, the model loaded from the same experts as
+    bf16 values. A checkpoint with any bf16 expert loads bf16 (MXFP4 ones dequantised)."""
+    from kimi_inductor.stock.batch import DecodeBatch
+
     c = KimiK3Config.preset("tiny")
-    packed = build_model(c, random_checkpoint(c, seed=5, experts="mxfp4"))
-    w = packed.model.layers[1].block_sparse_moe.experts.w13_weight
-    assert w.dtype == torch.bfloat16 and w.shape == (8, 64, 64) and w.abs().sum() > 0
+    t = random_checkpoint(c, seed=5, experts="mxfp4")
+    packed, plain = build_model(c, t), build_model(c, _dequantised(t))
+    ex, ref = packed.model.layers[1].block_sparse_moe.experts, plain.model.layers[1].block_sparse_moe.experts
+    assert ex.w13_weight.dtype == torch.uint8 and ex.w13_weight.shape == (8, 64, 32)
+    assert ex.w13_weight_scale.shape == (8, 64, 2) and ex.w2_weight.shape == (8, 64, 16)
+    assert ref.w13_weight.dtype == torch.bfloat16 and not hasattr(ref, "w13_weight_scale")
+    nbytes = sum(p.numel() * p.element_size() for n, p in packed.named_parameters() if ".experts." in n)
+    bf16_bytes = sum(p.numel() * p.element_size() for n, p in plain.named_parameters() if ".experts." in n)
+    assert nbytes == bf16_bytes // 4 + bf16_bytes // 64  # 4 bits + 8 bits per 32 values, vs 16 bits
+    batch = DecodeBatch(3, 2, 1, c.vocab_size)
+    step = batch.step()
+    with torch.no_grad():
+        outs = [m(step, m.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q))
+                for m in (packed, plain)]
+    assert torch.equal(*outs) and outs[0].abs().sum() > 0
+    mixed = dict(t)
+    e = "model.layers.1.block_sparse_moe.experts.0.w1."
+    mixed[e + "weight"] = _dequantised({k: v for k, v in t.items() if k.startswith(e)})[e + "weight"]
+    del mixed[e + "weight_packed"], mixed[e + "weight_scale"]
+    assert build_model(c, mixed).model.layers[1].block_sparse_moe.experts.w13_weight.dtype == torch.bfloat16
+
+
+def test_mxfp4_experts_refuse_a_tp_width_of_partial_scale_groups(fake_world):
+    from kimi_inductor.stock import Parallel
+
+    c = KimiK3Config.preset("tiny")  # expert FFN width 32: 16 per rank at TP 2
+    with pytest.raises(ValueError, match="whole 32-value scale groups"):
+        build_model(c, random_checkpoint(c, experts="mxfp4"), Parallel("tp", fake_world(2)))
 
 
 def test_rank_weights_for_one_rank_match_the_checkpoint():

@@ -185,3 +185,19 @@ def test_tp_layout_with_grouped_experts_equals_stock_for_16_steps():
     moe = KimiK3Config.preset("tiny").num_hidden_layers - 1
     assert sum(l["notes"].get("moe", "").startswith("expert_ffn") for l in out["report"]["layers"]) == moe
     assert torch.equal(out["outputs"], ref["outputs"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_mxfp4_experts_stay_packed_through_every_pass_and_equal_stock(world):
+    """A checkpoint with MXFP4 experts, loaded packed: every pass rewrites every layer, the
+    report names the MXFP4 experts, and the compiled decode equals stock's (whose ops
+    dequantise) bitwise for 8 steps with a padding request, on 1, 2 and 4 gloo ranks."""
+    stock = DecodeRun(preset="tiny", layout="sp", q=4, requests=3, padding=1, steps=8, experts="mxfp4")
+    compiled = DecodeRun(**{**stock.__dict__, "backend": "kimi_specialized", "options": {"compiler": "eager"}})
+    ref, out = run_ranks(decode_many, world, [stock, compiled])[0]
+    moe = [l["notes"]["moe"] for l in out["report"]["layers"] if "moe" in l["notes"]]
+    assert len(moe) == KimiK3Config.preset("tiny").num_hidden_layers - 1
+    routed = "mega_moe: EP exchange" if world > 1 else "expert_ffn"  # one rank: experts whole, no exchange
+    assert all(n.startswith(routed) and "MXFP4 experts" in n for n in moe), moe
+    assert torch.equal(out["outputs"], ref["outputs"]), f"G={world}: max diff {(out['outputs'] - ref['outputs']).abs().max()}"

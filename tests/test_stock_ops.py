@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kimi_inductor.stock  # noqa: F401  (registers the kimi:: ops)
-from kimi_inductor.stock.checkpoint import E2M1, mxfp4_dequantize, mxfp4_quantize
+from kimi_inductor.stock.mxfp4 import E2M1, mxfp4_dequantize, mxfp4_quantize
 from kimi_inductor.stock.moe import select_experts
 
 bf16 = torch.bfloat16

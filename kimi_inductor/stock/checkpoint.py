@@ -4,8 +4,11 @@ Tensor names are the published ones (``model.layers.{i}.self_attn.q_proj.weight`
 ``...block_sparse_moe.experts.{e}.w1.weight_packed``, ...); a ``language_model.``
 prefix (the multimodal K3 checkpoint) is accepted on read. Routed experts are bf16
 ``.weight`` or MXFP4 ``.weight_packed`` (uint8, two E2M1 values per byte, low nibble
-= even column) + ``.weight_scale`` (uint8 E8M0, one per 32 values: x 2^(s - 127)),
-dequantised to bf16 on load.
+= even column) + ``.weight_scale`` (uint8 E8M0, one per 32 values: x 2^(s - 127);
+``stock.mxfp4``). A checkpoint whose experts are all MXFP4 is loaded packed (the
+model's ``experts.w13_weight`` / ``w2_weight`` hold the codes, ``*_weight_scale`` the
+scales: no bf16 copy); one with any bf16 expert is loaded as bf16, MXFP4 ones
+dequantised.
 
 Loading is strict (``check_tensors``): every tensor the config implies must be there
 once, in a floating dtype (MXFP4 ``weight_packed`` / ``weight_scale``: uint8), and
@@ -33,34 +36,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .config import KimiK3Config
+from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from .model import KimiLinearForCausalLM
 from .parallel import Parallel
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-# ----------------------------------------------------------------------- MXFP4
-def mxfp4_quantize(w: Tensor) -> tuple[Tensor, Tensor]:
-    """[rows, cols] float -> (packed uint8 [rows, cols/2], scales uint8 [rows, cols/32])."""
-    rows, cols = w.shape
-    g = w.float().view(rows, cols // 32, 32)
-    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    x = (g / torch.exp2(exp)).view(rows, cols)
-    code = (x.abs()[..., None] - E2M1.to(x.device)).abs().argmin(-1)
-    code = (code | ((x < 0) & (code > 0)).long() << 3).to(torch.uint8)
-    packed = code[:, 0::2] | (code[:, 1::2] << 4)
-    return packed, (exp.view(rows, cols // 32) + 127).to(torch.uint8)
-
-
-def mxfp4_dequantize(packed: Tensor, scales: Tensor) -> Tensor:
-    rows = packed.shape[0]
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(rows, -1).int()
-    e, m = ((codes >> 1) & 3).float(), (codes & 1).float()  # E2M1[codes & 7], without a table (compiles anywhere)
-    vals = torch.where(e == 0, 0.5 * m, (1 + 0.5 * m) * torch.exp2(e - 1)) * (1 - 2 * (codes >> 3)).float()
-    scale = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=1)
-    return (vals * scale).to(torch.bfloat16)
-
 
 # ------------------------------------------------------------ random weights
 def random_checkpoint(config: KimiK3Config, seed: int = 0, experts: str = "bf16") -> dict[str, Tensor]:
@@ -312,10 +290,13 @@ def rank_state_dict(model: KimiLinearForCausalLM, tensors: Mapping[str, Tensor])
             return torch.zeros(0)
         return tensors[name]
 
-    def expert(prefix: str) -> Tensor:
+    def expert(prefix: str, mxfp4: bool) -> list[Tensor]:
+        """One expert weight as the model holds it: [bf16], or [codes, scales] (MXFP4)."""
+        if mxfp4:
+            return [get(prefix + "weight_packed"), get(prefix + "weight_scale")]
         if prefix + "weight" in tensors:
-            return tensors[prefix + "weight"].to(torch.bfloat16)
-        return mxfp4_dequantize(get(prefix + "weight_packed"), get(prefix + "weight_scale"))
+            return [tensors[prefix + "weight"].to(torch.bfloat16)]
+        return [mxfp4_dequantize(get(prefix + "weight_packed"), get(prefix + "weight_scale"))]
 
     out: dict[str, Tensor] = {
         "model.embed_tokens.weight": _rows(get("model.embed_tokens.weight"), par),
@@ -324,7 +305,7 @@ def rank_state_dict(model: KimiLinearForCausalLM, tensors: Mapping[str, Tensor])
     for name in ("model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"):
         out[name] = get(name)
     for layer in model.model.layers:
-        i, p = layer.layer_idx, f"model.layers.{layer.layer_idx}."
+        p = f"model.layers.{layer.layer_idx}."
         for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm",
                      "self_attention_res_proj", "mlp_res_proj"):
             out[p + name + ".weight"] = get(p + name + ".weight")
@@ -362,18 +343,25 @@ def rank_state_dict(model: KimiLinearForCausalLM, tensors: Mapping[str, Tensor])
                          "routed_expert_norm.weight", "routed_expert_up_proj.weight"):
                 out[m + name] = get(m + name)
             _mlp(out, get, m + "shared_experts.", not par.sequence_parallel, par)
-            moe = layer.block_sparse_moe
-            local, _, width = moe.experts.w2_weight.shape
-            first = moe.experts.first_expert
-            w13, w2 = [], []
-            for e in range(first, first + local):
-                w1, w3, w2e = (expert(f"{m}experts.{e}.{n}.") for n in ("w1", "w3", "w2"))
-                if not par.sequence_parallel:
-                    w1, w3, w2e = _rows(w1, par), _rows(w3, par), _cols(w2e, par)
-                w13.append(torch.cat([_pad_to(w1, width, 0), _pad_to(w3, width, 0)]))
-                w2.append(_pad_to(w2e, width, 1))
-            out[m + "experts.w13_weight"] = torch.stack(w13)
-            out[m + "experts.w2_weight"] = torch.stack(w2)
+            experts = layer.block_sparse_moe.experts
+            mxfp4 = experts.w13_weight.dtype == torch.uint8
+            # per stored tensor: values per element along K (bf16 1; MXFP4 codes 2, scales 32)
+            per_k = (2, 32) if mxfp4 else (1,)
+            local, width = experts.w13_weight.shape[0], experts.w13_weight.shape[1] // 2
+            if mxfp4 and not par.sequence_parallel and (c.moe_intermediate_size // par.size) % 32:
+                raise ValueError(f"MXFP4 experts TP-sharded over {par.size} ranks: the FFN width "
+                                 f"{c.moe_intermediate_size} / {par.size} is not whole 32-value scale groups")
+            w13, w2 = [[] for _ in per_k], [[] for _ in per_k]
+            for e in range(experts.first_expert, experts.first_expert + local):
+                parts = zip(*(expert(f"{m}experts.{e}.{n}.", mxfp4) for n in ("w1", "w3", "w2")))
+                for j, (w1, w3, w2e) in enumerate(parts):
+                    if not par.sequence_parallel:
+                        w1, w3, w2e = _rows(w1, par), _rows(w3, par), _cols(w2e, par)
+                    w13[j].append(torch.cat([_pad_to(w1, width, 0), _pad_to(w3, width, 0)]))
+                    w2[j].append(_pad_to(w2e, width // per_k[j], 1))
+            for j, suffix in enumerate(("", "_scale")[:len(per_k)]):
+                out[m + "experts.w13_weight" + suffix] = torch.stack(w13[j])
+                out[m + "experts.w2_weight" + suffix] = torch.stack(w2[j])
         else:
             _mlp(out, get, p + "mlp.", not par.sequence_parallel, par)
     if missing:
@@ -399,6 +387,10 @@ def build_model(config: KimiK3Config, tensors: Mapping[str, Tensor], par: Parall
     and rewrites compute the same function; docs/testing.md)."""
     check_tensors(config, tensors)
     model = KimiLinearForCausalLM(config, par, device="meta")
+    if all(name.endswith(("weight_packed", "weight_scale")) for name in tensors if ".experts." in name):
+        for layer in model.model.layers:  # MXFP4 experts stay packed (no bf16 copy)
+            if layer.is_moe_layer:
+                layer.block_sparse_moe.store_mxfp4()
     params = dict(model.named_parameters())
     state = {k: v.to(device=device or "cpu", dtype=params[k].dtype)
              for k, v in rank_state_dict(model, tensors).items()}

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from .config import KimiK3Config
 from .layers import Linear, RMSNorm, situ_and_mul
 from .library import stock_op
+from .mxfp4 import expert_weights
 from .parallel import Parallel, all_reduce
 
 _all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -99,25 +100,27 @@ def combine_experts(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13:
     return out
 
 
-def _fused_fake(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta):
+def _fused_fake(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale=None, w2_scale=None):
     return torch.empty_like(latent)
 
 
 @stock_op("fused_experts", mutates_args=(), fake=_fused_fake)
 def fused_experts(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
-                  beta: float, linear_beta: float) -> Tensor:
+                  beta: float, linear_beta: float, w13_scale: Tensor | None = None,
+                  w2_scale: Tensor | None = None) -> Tensor:
+    w13, w2 = expert_weights(w13, w2, w13_scale, w2_scale, latent.dtype)
     return combine_experts(latent, topk_weights, topk_ids, w13, w2, 0, beta, linear_beta).to(latent.dtype)
 
 
 def _ep_fake(latent, topk_weights, topk_ids, is_padding, w13, w2, first_expert, group_name,
-             max_num_tokens, beta, linear_beta):
+             max_num_tokens, beta, linear_beta, w13_scale=None, w2_scale=None):
     return torch.empty_like(latent)
 
 
 @stock_op("ep_experts", mutates_args=(), fake=_ep_fake)
 def ep_experts(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, is_padding: Tensor, w13: Tensor,
                w2: Tensor, first_expert: int, group_name: str, max_num_tokens: int, beta: float,
-               linear_beta: float) -> Tensor:
+               linear_beta: float, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
     rows = latent.shape[0]
     if rows > max_num_tokens:
         raise ValueError(
@@ -132,6 +135,7 @@ def ep_experts(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, is_paddin
     gathered = message.new_empty(size * rows, message.shape[1])
     _all_gather_into(gathered, message, group=group)
     latent_all, weights_all, ids_all, pad_all = gathered.split([latent.shape[1], k, k, 1], dim=1)
+    w13, w2 = expert_weights(w13, w2, w13_scale, w2_scale, latent.dtype)
     partial = combine_experts(latent_all.to(latent.dtype), weights_all, ids_all.long(), w13, w2, first_expert,
                               beta, linear_beta, routed=pad_all[:, 0] == 0)
     # combine: sum every expert's weighted output on the token's own rank
@@ -174,20 +178,39 @@ class KimiMoE(nn.Module):
         self.experts.w2_weight = nn.Parameter(
             torch.empty(local, latent, width, dtype=torch.bfloat16, device=device), requires_grad=False)
 
+    def store_mxfp4(self) -> None:
+        """Hold the routed experts as the checkpoint's MXFP4 (``stock.mxfp4``): w13_weight /
+        w2_weight become uint8 codes [E, N, K / 2] with ``*_weight_scale`` [E, N, K / 32]
+        beside them (17/64 of the bf16 bytes); the expert ops dequantise.
+        Needs K (the latent and the expert FFN width on this rank) a multiple of 32."""
+        ex = self.experts
+        for name in ("w13_weight", "w2_weight"):
+            E, N, K = getattr(ex, name).shape
+            if K % 32:
+                raise ValueError(f"MXFP4 experts need rows of whole 32-value scale groups; {name} of this rank "
+                                 f"has {K} columns (TP-sharded expert FFN width): use the SP layout (experts "
+                                 f"whole on their EP rank) or a TP size that keeps the width a multiple of 32")
+            device = getattr(ex, name).device
+            setattr(ex, name, nn.Parameter(torch.empty(E, N, K // 2, dtype=torch.uint8, device=device),
+                                           requires_grad=False))
+            setattr(ex, name + "_scale", nn.Parameter(torch.empty(E, N, K // 32, dtype=torch.uint8, device=device),
+                                                      requires_grad=False))
+
     def forward(self, x: Tensor, is_padding: Tensor) -> Tensor:
         logits = router_logits(x, self.gate.weight)
         weights, ids = select_experts(logits, self.gate.e_score_correction_bias, self.top_k,
                                       self.renormalize, self.scale)
         latent = self.routed_expert_down_proj(x)
         w13, w2 = self.experts.w13_weight, self.experts.w2_weight
+        scales = (self.experts.w13_weight_scale, self.experts.w2_weight_scale) if w13.dtype == torch.uint8 else ()
         if self.par.sequence_parallel:
             routed = torch.ops.kimi.ep_experts(
                 latent, weights, ids, is_padding, w13, w2, self.experts.first_expert,
-                self.par.group_name, self.par.max_num_tokens, self.beta, self.linear_beta)
+                self.par.group_name, self.par.max_num_tokens, self.beta, self.linear_beta, *scales)
             shared = self.shared_experts(x)
         else:
             routed = all_reduce(
-                torch.ops.kimi.fused_experts(latent, weights, ids, w13, w2, self.beta, self.linear_beta),
+                torch.ops.kimi.fused_experts(latent, weights, ids, w13, w2, self.beta, self.linear_beta, *scales),
                 self.par)
             shared = all_reduce(self.shared_experts(x), self.par)
         return torch.addmm(shared, self.routed_expert_norm(routed), self.routed_expert_up_proj.weight.t())

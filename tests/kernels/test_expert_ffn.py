@@ -12,6 +12,7 @@ import torch
 
 import kimi_inductor.kernels  # noqa: F401
 from kimi_inductor.kernels import expert_ffn as X
+from kimi_inductor.stock.mxfp4 import dequantize_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (experts, latent L, width I): Kimi K3's expert shapes on the GPU (8 of a rank's 112),
@@ -114,7 +115,7 @@ MX_SHAPES = [(4, 3584, 3072)] if DEVICE == "cuda" else [(5, 64, 64), (3, 160, 32
 
 def _mxfp4(w):
     """[E, N, K] -> the checkpoint's MXFP4 (packed [E, N, K / 2], scales [E, N, K / 32])."""
-    from kimi_inductor.stock.checkpoint import mxfp4_quantize
+    from kimi_inductor.stock.mxfp4 import mxfp4_quantize
 
     E, N, K = w.shape
     packed, scales = mxfp4_quantize(w.reshape(E * N, K))
@@ -124,16 +125,16 @@ def _mxfp4(w):
 @pytest.mark.parametrize("E, L, I", MX_SHAPES)
 @pytest.mark.parametrize("T, k", [(1, 16), (8, 16), (5, 3)])
 def test_mxfp4_experts_are_the_experts_of_their_dequantised_weights(T, k, E, L, I):
-    """expert_ffn_mxfp4 dequantises each weight tile in registers exactly as the loader's
-    ``mxfp4_dequantize`` does, then sums its dots over even and odd columns: within the
-    tolerance above of the stock loop on the dequantised experts."""
+    """expert_ffn with MXFP4 experts (codes + scales) upcasts each weight tile to the bf16
+    values ``dequantize_experts`` gives: within the tolerance above of the stock loop on
+    the dequantised experts."""
     g = torch.Generator().manual_seed(T * k + 1)
     ids = torch.randint(-1, 2 * E, (T, k), generator=g)
     latent, weights, ids, w13, w2 = _inputs(T, k, E, L, I, ids, seed=T + 1)
     (q13, s13), (q2, s2) = _mxfp4(w13), _mxfp4(w2)
-    deq13, deq2 = X.dequantize(q13, s13), X.dequantize(q2, s2)
+    deq13, deq2 = dequantize_experts(q13, s13), dequantize_experts(q2, s2)
     assert deq13.shape == w13.shape and deq2.shape == w2.shape
-    got = torch.ops.kimi_kernels.expert_ffn_mxfp4(latent, weights, ids, q13, s13, q2, s2, 4.0, 25.0)
+    got = torch.ops.kimi_kernels.expert_ffn(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     want = X.reference(latent, weights, ids, deq13, deq2, 4.0, 25.0)
     err = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
     assert err.max() < 1e-2, f"row relative error {err.max():.2e}"
