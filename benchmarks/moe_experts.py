@@ -20,6 +20,7 @@ each); ``--experts 896`` is EP 1.
 
     python benchmarks/moe_experts.py --experts 112 896 --rows 1 8 32 64 --json moe_experts.json [--mxfp4]
     python benchmarks/moe_experts.py --smoke     # CPU, tiny shapes: checks the script runs
+    python benchmarks/moe_experts.py --plot moe_experts.json moe_experts.png
 """
 
 from __future__ import annotations
@@ -72,6 +73,33 @@ def eager_time_us(fn, iters: int = 5) -> float:
     return statistics.median(times)
 
 
+def plot(json_path: str, png: str) -> None:
+    """Time against rows per expert count: ours MXFP4 / bf16, Inductor, both byte floors."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.load(open(json_path))["rows"]
+    counts = sorted({r["experts"] for r in rows})
+    fig, axes = plt.subplots(1, len(counts), figsize=(5.5 * len(counts), 4), squeeze=False)
+    series = (("mxfp4_us", "o-", "ours, MXFP4"), ("ours_us", "s-", "ours, bf16"),
+              ("inductor_dequant_dense_us", "^-", "Inductor: dequantise + dense"),
+              ("mxfp4_floor_us", "k--", "MXFP4 byte floor"), ("floor_us", "k:", "bf16 byte floor"))
+    for ax, E in zip(axes[0], counts):
+        rs = [r for r in rows if r["experts"] == E]
+        for key, style, label in series:
+            if all(key in r for r in rs):
+                ax.plot([r["rows"] for r in rs], [r[key] for r in rs], style, label=label)
+        ax.set(xscale="log", yscale="log", xlabel="rows", ylabel="us", title=f"routed experts, {E} local, H200")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--experts", type=int, nargs="+", default=[112, 896])
@@ -82,7 +110,10 @@ def main(argv=None) -> Results:
                    help="MXFP4 tiles to time, each BN,BK,num_warps,num_stages")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--json")
+    p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only plot an --mxfp4 run's JSON (matplotlib)")
     args = p.parse_args(argv)
+    if args.plot:
+        return plot(*args.plot)
     device = "cpu" if args.smoke else "cuda"
     L, I, top_k = (64, 32, 4) if args.smoke else (3584, 3072, 16)
     experts = [8] if args.smoke else args.experts
