@@ -98,7 +98,9 @@ def vllm_kernel_module(root: str, relpath: str):
     torch 2.14 and cannot be installed here, so the few vllm modules such a file imports
     are stood in for: ``vllm.triton_utils`` (Triton itself), ``vllm.platforms`` (this
     device's capability: SM100-only native kernels are not taken; PDL launches from SM90),
-    ``vllm._custom_ops`` (empty: the CUDA extension is absent)."""
+    ``vllm._custom_ops`` (empty: the CUDA extension is absent), and the constants and
+    helpers its KDA kernels import (``cdiv``, ``next_power_of_2``, the null block / pad
+    slot ids, fla's ``exp`` / ``log`` as vLLM defines them without FLA_USE_FAST_OPS)."""
     import importlib.util
     import sys
     import types
@@ -109,9 +111,12 @@ def vllm_kernel_module(root: str, relpath: str):
     major, minor = torch.cuda.get_device_capability()
     platform = types.SimpleNamespace(
         is_device_capability_family=lambda family: major * 10 == family,
-        is_arch_support_pdl=lambda: major >= 9)
+        is_arch_support_pdl=lambda: major >= 9, is_cpu=lambda: False)
     stubs = {"vllm": {}, "vllm._custom_ops": {}, "vllm.triton_utils": {"triton": triton, "tl": tl},
-             "vllm.platforms": {"current_platform": platform}}
+             "vllm.platforms": {"current_platform": platform},
+             "vllm.utils.math_utils": {"cdiv": triton.cdiv, "next_power_of_2": triton.next_power_of_2},
+             "vllm.v1.attention.backends.utils": {"NULL_BLOCK_ID": 0, "PAD_SLOT_ID": -1},
+             "vllm.third_party.flash_linear_attention.ops.op": {"exp": tl.exp, "log": tl.log}}  # FLA_USE_FAST_OPS=0
     for name, attrs in stubs.items():
         module = sys.modules.setdefault(name, types.ModuleType(name))
         if name == "vllm":

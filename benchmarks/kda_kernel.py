@@ -5,7 +5,13 @@ compiled by Inductor vs the byte floor, inside CUDA graphs; and, when fla-core i
 gates, beta, q/k L2 norm and the delta rule with the state updated in place, but no f_b
 GEMM, conv or gated norm, so it does a subset of our kernel's work.
 
-    python benchmarks/kda_kernel.py --json kda_kernel.json
+``--vllm ROOT`` (vLLM 0.33.0's wheel unpacked there; q = 1) adds vLLM's own decode core
+as its KDA layer runs it on SM90, on the same tensors: the f_b GEMM (cuBLAS), its Triton
+``causal_conv1d_update`` (silu), ``fused_recurrent_kda_packed_decode`` and the gated
+RMSNorm (fla's ``forward_native``, compiled by Inductor as in vLLM's graph): the work
+our one kernel does, for the choice rule of issue 17.
+
+    python benchmarks/kda_kernel.py --json kda_kernel.json [--vllm ROOT]
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from common import Results, floor_us, graph_time_us  # noqa: E402
+from common import Results, floor_us, graph_time_us, vllm_kernel_module  # noqa: E402
 from test_kda_decode import inputs  # noqa: E402
 
 import kimi_inductor.kernels.kda_decode as K  # noqa: E402
@@ -42,15 +48,42 @@ def fla_recurrence(R: int, q: int, H: int, D: int, state: torch.Tensor):
                                              lower_bound=-5.0)
 
 
+def vllm_core(root: str):
+    """(x, out) -> vLLM's KDA decode core on our ``inputs`` (one token per request)."""
+    conv = vllm_kernel_module(root, "model_executor/layers/mamba/ops/causal_conv1d.py").causal_conv1d_update
+    rec = vllm_kernel_module(root, "models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py")
+
+    @torch.compile(dynamic=False)
+    def gated_norm(o, g, weight, eps: float):  # fla's FusedRMSNormGated.forward_native, sigmoid gate
+        x = o.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        return (x * torch.sigmoid(g.float())).to(o.dtype)
+
+    def core(x):
+        R, H, D = x["beta"].shape[0], x["recurrent_state"].shape[1], x["recurrent_state"].shape[-1]
+        slots = x["state_slots"][:, 0]
+        mixed = conv(x["mixed_qkv"], x["conv_state"].transpose(1, 2), x["conv_weight"].view(3 * H * D, -1), None,
+                     activation="silu", conv_state_indices=slots, validate_data=False,
+                     out=torch.empty_like(x["mixed_qkv"], memory_format=torch.contiguous_format))
+        g1 = (x["f_a"] @ x["f_b_weight"].t()).view(1, R, H, D)
+        o, _ = rec.fused_recurrent_kda_packed_decode(mixed, g1, x["beta"].unsqueeze(0), x["A_log"], x["dt_bias"],
+                                                     x["lower_bound"], x["recurrent_state"], slots)
+        return gated_norm(o.view(R, H, D), x["g2"].view(R, H, D), x["norm_weight"], x["norm_eps"])
+
+    return core
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--q", type=int, nargs="+", default=[1, 4])
     p.add_argument("--warps", type=int, nargs="+", default=[4])
     p.add_argument("--v-split", type=int, nargs="+", default=[1, 2, 4], help="V blocks per head")
+    p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its decode core too (q = 1)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     H, D = 12, 128
+    vllm = args.vllm and vllm_core(args.vllm)
     res = Results("kda_kernel")
     stock = torch.compile(K.reference, dynamic=False)
     for q in args.q:
@@ -72,6 +105,10 @@ def main(argv=None) -> Results:
                         lambda i: K._kda_decode_kernel[(R, H, nv)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
                                                                    NV=nv, num_warps=w))
             row["v_split"] = K.v_split(R, H)
+            if vllm and q == 1:
+                row["vllm_core_us"] = graph_time_us(lambda i: vllm(x))
+                best = min(v for k, v in row.items() if k.startswith("ours_w"))
+                row["vllm_over_ours"] = row["vllm_core_us"] / best
             fla = fla_recurrence(R, q, H, D, torch.zeros(R, H, D, D, device="cuda"))
             if fla is not None:
                 row["fla_recurrence_us"] = graph_time_us(fla)
