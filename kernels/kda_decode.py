@@ -280,6 +280,44 @@ def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bia
 kda_decode.register_fake(_fake)
 
 
+def page_states(page: Tensor, conv_start: int, state_len: int, conv_dim: int, dtype: torch.dtype, rec_start: int,
+                heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """(conv_state [S, state_len, conv_dim] ``dtype``, recurrent_state [S, H, D, D] fp32):
+    views of the byte ranges at ``conv_start`` / ``rec_start`` of every slot's row of
+    ``page`` [S, bytes] int8 (vLLM's KDA cache binding: one page per slot holds both)."""
+    S = page.shape[0]
+    conv_bytes = state_len * conv_dim * dtype.itemsize
+    conv = page[:, conv_start:conv_start + conv_bytes].view(dtype).view(S, state_len, conv_dim)
+    rec = page[:, rec_start:rec_start + heads * head_dim * head_dim * 4].view(torch.float32)
+    return conv, rec.view(S, heads, head_dim, head_dim)
+
+
+def _fake_paged(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, page, conv_start,
+                state_len, rec_start, state_slots, num_accepted, lower_bound, norm_eps):
+    check_q(state_slots.shape[1], "kimi_kernels::kda_decode_paged")
+    return g2.new_empty(g2.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::kda_decode_paged", mutates_args=("page",))
+def kda_decode_paged(
+    mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
+    A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, page: Tensor, conv_start: int, state_len: int,
+    rec_start: int, state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
+) -> Tensor:
+    """``kda_decode`` with both states in ``page`` [S, bytes] int8 (``page_states``: the conv
+    state at byte ``conv_start``, ``state_len`` x conv width in mixed_qkv's dtype; the
+    recurrent state [H, D, D] fp32 at byte ``rec_start``), updated in place: one mutated
+    tensor, as vLLM binds a KDA layer's cache, so that a functional graph can hold the
+    call (a dtype view of a graph input is not a base ``auto_functionalized_v2`` takes)."""
+    H, D = beta.shape[1], g2.shape[1] // beta.shape[1]
+    conv, rec = page_states(page, conv_start, state_len, mixed_qkv.shape[1], mixed_qkv.dtype, rec_start, H, D)
+    return torch.ops.kimi_kernels.kda_decode(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias,
+                                             norm_weight, conv, rec, state_slots, num_accepted, lower_bound, norm_eps)
+
+
+kda_decode_paged.register_fake(_fake_paged)
+
+
 def reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
               recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
     """The op's semantics: stock's f_b_proj GEMM, then stock's ``kimi::kda_decode``."""

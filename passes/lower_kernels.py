@@ -50,7 +50,7 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from . import roles
+from . import roles, vllm_kda
 from .decoder import _between
 from .gemm_neighbours import rms_norm_of, situ_of
 from .graph import OpCall, TritonCall
@@ -127,9 +127,25 @@ class LowerKernels:
         kept = Counter()
         dg = ctx.decoder
         decoder_calls = [r for l in dg.layers for r in (l.pre, l.post, l.core)] + ([dg.final] if dg.final else [])
-        foreign = sorted({c.spelling for c in decoder_calls if isinstance(c, roles.Core) and c.spelling != "kimi"})
-        if foreign:
-            info.skipped.append(f"{', '.join(foreign)} attention cores kept (issue 17: not lowered yet)")
+        foreign = [c for c in decoder_calls if isinstance(c, roles.Core) and c.spelling != "kimi"]
+        mla = sorted({c.spelling for c in foreign if c.kind != "kda"})
+        if mla:
+            info.skipped.append(f"{', '.join(mla)} MLA / DSA cores kept (issue 17: not lowered yet)")
+        dropped = set()  # replaced cores (decoder ops survive dead-code removal otherwise)
+        for core in [c for c in foreign if c.kind == "kda" and getattr(OpCall.of(c.node), "op", None)
+                     is not kk.kda_decode_paged.default]:
+            info.matched += 1
+            group = vllm_kda.bind(core.node)
+            gemm = None if isinstance(group, str) else match_gemm(group.g1)
+            why = group if isinstance(group, str) else \
+                kda_kernel.supported(group.conv_width, group.head_dim) or \
+                ("its g1 is not a plain f_b GEMM" if gemm is None or gemm[2] is not None else "")
+            if why:
+                kept[f"KDA core ({core.spelling}): {why}"] += 1
+                continue
+            per_node[_replace(dg, core, vllm_kda.lower(g, group, f_a=gemm[0], f_b=gemm[1]))] = "kda"
+            dropped.add(core.node)
+            info.rewritten += 1
         ours = [OpCall.of(c.node) for c in decoder_calls if c.spelling == "kimi"]
         for res in [c for c in decoder_calls if isinstance(c, roles.AttnRes) and c.spelling != "kimi"]:
             info.matched += 1
@@ -170,7 +186,7 @@ class LowerKernels:
             per_node[_replace(dg, call, _swap(g, call, ours_op, dict(call.node.kwargs)))] = \
                 core.kind if core is not None else "attn_res"
             info.rewritten += 1
-        _dead_code_out(g)  # dead casts would count as readers of a norm or a GEMM
+        _dead_code_out(g, dropped)  # dead casts would count as readers of a norm or a GEMM
         situ_after = {m[0]: (n, *m[1:]) for n in g.nodes if (m := situ_of(n)) is not None}  # GEMM -> its SiTU
         for node in list(g.nodes):
             gemm = match_gemm(node)
@@ -219,12 +235,13 @@ class LowerKernels:
         return info
 
 
-def _dead_code_out(g: fx.Graph) -> None:
-    """Dead pure nodes out, except decoder ops (attention cores, AttnRes): an explain graph
-    on the meta device leaves the last AttnRes unread, and the report's decoder parse must
-    still see every layer (Inductor removes what is truly dead later)."""
+def _dead_code_out(g: fx.Graph, dropped: set[fx.Node] = frozenset()) -> None:
+    """Dead pure nodes out, except decoder ops (attention cores, AttnRes) other than the
+    ``dropped`` ones this pass replaced: an explain graph on the meta device leaves the
+    last AttnRes unread, and the report's decoder parse must still see every layer
+    (Inductor removes what is truly dead later)."""
     def keep(n: fx.Node) -> bool:
-        return n.is_impure() or roles.core(n) is not None or roles.attn_res(n) is not None
+        return n.is_impure() or (n not in dropped and (roles.core(n) is not None or roles.attn_res(n) is not None))
 
     g.eliminate_dead_code(is_impure_node=keep)
 
@@ -263,7 +280,7 @@ def _lower_attn_res(g: fx.Graph, res: roles.AttnRes) -> fx.Node:
     return new
 
 
-def _replace(dg, call: OpCall, new: fx.Node) -> fx.Node:
+def _replace(dg, call: OpCall | roles.Core, new: fx.Node) -> fx.Node:
     dg.replaced(call.node, new)
     return new
 

@@ -302,13 +302,16 @@ def test_tp1_vllm_eager_agrees_with_our_replica(tp1):
 
 def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
     """One rank: hybrid_attention has nothing to do; our EP op takes vLLM's MoE op
-    (mega_moe); lower_kernels keeps vLLM's AttnRes kernel (faster on H200) unless told
-    ours is faster, then swaps it. The bf16 band over 8 steps either way; one graph each,
-    compiled once."""
+    (mega_moe); lower_kernels replaces vLLM's KDA core group (conv update, recurrence,
+    gated norm) by our fused kernel on vLLM's paged states, keeps vLLM's AttnRes kernel
+    (faster on H200) unless told ours is faster, then swaps it. The bf16 band over 8
+    steps either way; one graph each, compiled once."""
     assert [len(r) for r in tp1["reports"]] == [1, 1] and len(tp1["eager"]) == 8
     kept, swapped = (r[0] for r in tp1["reports"])
-    for layer in kept["layers"]:  # layer 0 is dense
-        assert layer["spelling"] == "vllm" and layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0), layer
+    for layer in kept["layers"]:  # layer 0 is dense; KDA cores lowered (ours is faster on H200), MLA kept
+        lowered = ["lower_kernels"] * (layer["kind"] == "kda")
+        assert layer["spelling"] == "vllm" and layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0) + lowered
+        assert ("fused KDA x1" in layer["notes"]["kernels"]) == bool(lowered), layer
     lowered = next(p for p in kept["passes"] if p["name"] == "lower_kernels")
     assert any("AttnRes (vllm): vLLM's Triton kernel is as fast or faster on H200" in s for s in lowered["skipped"])
     for layer in swapped["layers"]:
@@ -355,9 +358,10 @@ def test_every_layer_of_vllms_sp_graph_becomes_the_hybrid_step(captured, tp):
     report = captured(tp)["report"]
     assert report["decoder"] and report["layout"] == "sp" and report["layout_after"] == "hybrid"
     assert [l["kind"] for l in report["layers"]] == ["kda"] * KDA_LAYERS + ["mla"] * MLA_LAYERS
-    for layer in report["layers"]:
+    for layer in report["layers"]:  # and lower_kernels' fused KDA on vLLM's KDA core groups
         assert layer["spelling"] == "vllm", layer
-        assert layer["rewritten_by"] == ["hybrid_attention"] + ["mega_moe"] * (layer["index"] > 0)
+        assert layer["rewritten_by"] == ["hybrid_attention"] + ["mega_moe"] * (layer["index"] > 0) + \
+            ["lower_kernels"] * (layer["kind"] == "kda")
     assert all("kimi_vllm.mega_moe" in l["notes"]["moe"] for l in report["layers"][1:])
     assert "dense MLP on all rows (row-local)" in report["layers"][0]["reason"]
     assert all("MoE on the rank's row shard" in l["reason"] for l in report["layers"][1:])
@@ -540,7 +544,7 @@ def test_modes_1_and_2_compile_through_vllm_and_mode_2_saves_and_loads(tmp_path)
 def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     """2 ranks, T = 3 (an SP pad row and a padding request), 8 steps: the hybrid step is
     bitwise vLLM's SP forward; with every pass (the MoE through our EP op over vLLM's EP
-    group), the bf16 band."""
+    group, the KDA cores through our fused kernel), the bf16 band."""
     from kimi_inductor.launch import run_ranks
 
     results = run_ranks(gloo_rank, 2, 2, ROWS, 8)
@@ -549,8 +553,10 @@ def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     for rank in results:
         hybrid, every = rank["reports"]
         assert len(hybrid) == 1 and hybrid[0]["layout_after"] == "hybrid"
+        kda = ["lower_kernels"]  # vLLM's KDA core groups -> our fused kernel
         assert [l["rewritten_by"] for l in every[0]["layers"]] == (
-            [["hybrid_attention"]] + [["hybrid_attention", "mega_moe"]] * MOE_LAYERS)
+            [["hybrid_attention", *kda]] + [["hybrid_attention", "mega_moe", *kda]] * (KDA_LAYERS - 1)
+            + [["hybrid_attention", "mega_moe"]] * MLA_LAYERS)
         assert_bitwise(rank["eager"], rank["compiled"][0])
         assert_in_band(rank["eager"], rank["compiled"][1])
     for a, b in zip(results[0]["eager"], results[1]["eager"]):  # the final all-gather: every rank holds all rows
@@ -566,3 +572,66 @@ def test_gloo_tp4_hybrid_step_equals_vllm_eager():
     for rank in run_ranks(gloo_rank, 4, 4, 3, 8):
         assert rank["reports"][0][0]["layout_after"] == "hybrid"
         assert_bitwise(rank["eager"], rank["compiled"][0])
+
+
+def _kda_group_against_ours(dtype):
+    """In a fresh process (vLLM's CPU shims: its Triton kernels interpreted): vLLM's KDA
+    decode core as its layer runs it (conv update, packed recurrence, gated RMSNorm) and
+    ``kimi_kernels.kda_decode_paged`` (its CPU reference) on copies of one int8 page per
+    slot, for 3 live requests of 4 slots (slot 0: vLLM's null block, a padding row);
+    activations and conv state in ``dtype``."""
+    from kimi_inductor import vllm_cpu
+
+    vllm_cpu.install()
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.mamba.ops import causal_conv1d
+    from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent
+    from vllm.third_party.flash_linear_attention.ops.kda import rms_norm_gated
+
+    from kimi_inductor.kernels import kda_decode as K
+
+    H, D, R, S, bf16 = 4, 16, 3, 4, getattr(torch, dtype)
+    P, g = H * D, torch.Generator().manual_seed(0)
+    r = lambda *shape, s=1.0, dtype=bf16: (torch.randn(*shape, generator=g) * s).to(dtype)  # noqa: E731
+    mixed, f_a, w_fb, g2, beta = r(R, 3 * P), r(R, D), r(P, D, s=D ** -0.5), r(R, P), r(R, H)
+    conv_w, a_log, dt_bias, norm_w = r(3 * P, 1, 4, s=0.5, dtype=torch.float32), \
+        torch.log(torch.rand(H, generator=g) * 15 + 1), r(P, s=0.5, dtype=torch.float32), 1 + r(D, s=0.1)
+    conv_bytes, rec_bytes = 3 * 3 * P * bf16.itemsize, H * D * D * 4
+    page = torch.zeros(S, conv_bytes + rec_bytes + 32, dtype=torch.int8)
+    conv, rec = K.page_states(page, 0, 3, 3 * P, bf16, conv_bytes, H, D)
+    conv.copy_(r(S, 3, 3 * P))
+    rec.copy_(r(S, H, D, D, s=0.3, dtype=torch.float32))
+    slots = torch.tensor([1, 3, 2], dtype=torch.int32)
+    theirs, ours = page.clone(), page.clone()
+
+    conv, rec = K.page_states(theirs, 0, 3, 3 * P, bf16, conv_bytes, H, D)
+    x = causal_conv1d.causal_conv1d_update(mixed, conv.transpose(1, 2), conv_w.view(3 * P, 4), None,
+                                           activation="silu", conv_state_indices=slots, validate_data=False,
+                                           out=torch.empty_like(mixed))
+    o, _ = fused_recurrent.fused_recurrent_kda_packed_decode(
+        x, F.linear(f_a, w_fb).view(1, R, H, D), beta.unsqueeze(0), a_log, dt_bias, -5.0, rec, slots)
+    want = rms_norm_gated(o.view(R, H, D), g2.view(R, H, D), norm_w, None, "sigmoid", eps=1e-5).view(R, P)
+    got = torch.ops.kimi_kernels.kda_decode_paged(mixed, f_a, w_fb, g2, beta, conv_w, a_log, dt_bias, norm_w, ours,
+                                                  0, 3, conv_bytes, slots.view(R, 1), torch.ones(R, dtype=torch.int32),
+                                                  -5.0, 1e-5)
+    return want, got, theirs, ours, (conv_bytes, rec_bytes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_our_paged_kda_op_computes_vllms_kda_decode_group(dtype):
+    """What lower_kernels puts in place of vLLM's KDA core group (passes/vllm_kda.py)
+    computes what the group computes: in fp32 the same function (output and recurrent
+    state to fp32 summation order); in bf16 the output within a bf16 rounding and the
+    state within what one-ulp flips of the bf16 conv outputs make (measured 0.5% of its
+    largest value: the conv sums in another order, then rounds); the conv state bitwise,
+    the rest of each page and the null slot untouched."""
+    want, got, theirs, ours, (conv_bytes, rec_bytes) = isolated(_kda_group_against_ours, dtype)
+    fp32 = dtype == "float32"
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4 if fp32 else 2 ** -7, atol=1e-4 if fp32 else 1e-2)
+    assert torch.equal(ours[:, :conv_bytes], theirs[:, :conv_bytes])
+    rec = slice(conv_bytes, conv_bytes + rec_bytes)
+    state, want_state = ours[:, rec].view(torch.float32), theirs[:, rec].view(torch.float32)
+    atol = 1e-5 if fp32 else 2 ** -7 * float(want_state.abs().max())
+    torch.testing.assert_close(state, want_state, rtol=0, atol=atol)
+    assert torch.equal(ours[:, conv_bytes + rec_bytes:], theirs[:, conv_bytes + rec_bytes:])
+    assert torch.equal(ours[0], theirs[0])

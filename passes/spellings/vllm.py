@@ -11,7 +11,8 @@ module needs neither vLLM nor its CUDA extension to be importable.
               same arguments and ``output``
     KDA       ``_C::fused_kda_decode``, else the Triton recurrence
               (``fused_recurrent_kda_packed_decode_kernel`` / ``fused_recurrent_kda_fwd_kernel``)
-              that follows the conv update; q is not visible in the call
+              that follows the conv update; q is not visible in the call; and
+              ``kimi_kernels::kda_decode_paged``, ours in place of the group (``passes/vllm_kda.py``)
     MLA       ``_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (the q concat and
               cache insert that starts every MLA decode core)
     RMSNorm   ``vllm_ir::rms_norm(x, weight, epsilon)``; SiTU-GLU ``_C::situ_and_mul(out,
@@ -44,7 +45,8 @@ K3 = "vllm.models.kimi_k3.nvidia.ops"
 ATTN_RES_KERNEL = f"{K3}.attn_res._attn_res_kernel"
 KDA_KERNELS = {f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_packed_decode_kernel",
                f"{K3}.third_party.kda.fused_recurrent.fused_recurrent_kda_fwd_kernel"}
-CORE_OPS = {"_C::fused_kda_decode": "kda", "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": "mla"}
+CORE_OPS = {"_C::fused_kda_decode": "kda", "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": "mla",
+            "kimi_kernels::kda_decode_paged": "kda"}  # the last: ours in place of the KDA group (lower_kernels)
 EXPERT_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
 LAYER_MOE_INPUTS = ("latent", "router_logits", "shared_in", "layer_name")
 ROW_LOCAL_OPS = {"vllm_ir::rms_norm": ("x",), "_C::situ_and_mul": ("input",)}

@@ -61,8 +61,9 @@ def test_kernel_matches_reference(R, q, H, D, dtype, nv, monkeypatch):
 @pytest.mark.parametrize("H, D", SHAPES)
 def test_states_as_views_of_one_page_per_slot(H, D):
     """vLLM binds a KDA layer's conv and recurrent states as bf16 / fp32 views of one int8
-    page per slot (slot stride = the page, not the state): the kernel reads and writes
-    them there, and leaves the rest of each page alone."""
+    page per slot (slot stride = the page, not the state): ``kda_decode_paged`` reads and
+    writes them there (the kernel addresses states by slot stride), and leaves the rest
+    of each page alone."""
     R, q = 3, 1
     x = inputs(R, q, H, D, seed=7)
     conv, rec = x["conv_state"], x["recurrent_state"]
@@ -76,10 +77,11 @@ def test_states_as_views_of_one_page_per_slot(H, D):
     want = K.reference(**{**x, "conv_state": want_conv, "recurrent_state": want_rec})
     page = page.to(DEVICE)
     tail = page[:, conv_bytes + rec_bytes:].clone()
-    dev_conv = page[:, :conv_bytes].view(torch.bfloat16).view(conv.shape)
-    dev_rec = page[:, conv_bytes:conv_bytes + rec_bytes].view(torch.float32).view(rec.shape)
-    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-    got = torch.ops.kimi_kernels.kda_decode(**{**dev, "conv_state": dev_conv, "recurrent_state": dev_rec})
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in x.items()
+           if k not in ("conv_state", "recurrent_state")}
+    got = torch.ops.kimi_kernels.kda_decode_paged(**dev, page=page, conv_start=0, state_len=conv.shape[1],
+                                                  rec_start=conv_bytes)
+    dev_conv, dev_rec = K.page_states(page, 0, conv.shape[1], conv.shape[2], torch.bfloat16, conv_bytes, H, D)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(dev_conv.cpu(), want_conv)
     torch.testing.assert_close(dev_rec.cpu(), want_rec, atol=1e-3, rtol=1e-3)

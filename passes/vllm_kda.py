@@ -1,0 +1,205 @@
+"""vLLM 0.33.0's KDA decode core group, read from its graph and replaced by our fused kernel
+(``kimi_kernels.kda_decode_paged``); used by ``lower_kernels``.
+
+Matches (q = 1 decode, T rows of which the first R are live; P = H D; vLLM's binding of a
+KDA layer's cache: one int8 page per slot, the conv state at bytes [c0, c1) as bf16
+[S, state_len, 3P], the recurrent state at [r0, r1) as fp32 [S, H, D, D])::
+
+    conv = triton _causal_conv1d_update_kernel(x_ptr=unsqueeze(mixed_qkv [R, 3P]),
+               w_ptr=view(W_conv), conv_state_ptr=permute(view(view(slice(page0, c0:c1), bf16))),
+               conv_state_indices_ptr=slots [R], SILU, no bias, seqlen 1, dim-contiguous state)
+    page1 = slice_scatter(page0, view(view(permute(conv[conv_state_ptr])), i8), c0:c1)
+    rec  = triton fused_recurrent_kda_packed_decode_kernel(mixed_qkv=conv[o_ptr] views,
+               raw_g=views of g1 [T, P] (= the f_b GEMM), raw_beta=views of beta [T, H], A_log,
+               dt_bias, state=view(view(slice(page1, r0:r1), f32)), state_indices=slots,
+               scale=D^-1/2)
+    page2 = slice_scatter(page1, view(view(rec[state]), i8), r0:r1)
+    norm = triton layer_norm_gated_fwd_kernel(x=rows of rec[out], g=view(g2 [T, P]), w,
+               sigmoid, RMS, no bias / residual) -> y [T H, D]
+
+and produces::
+
+    new  = auto_functionalized_v2(kimi_kernels.kda_decode_paged, mixed_qkv, f_a[:R], W_fb,
+               g2[:R], beta[:R], W_conv [3P, 1, 4], A_log, dt_bias, w, page=page0, c0,
+               state_len, r0, slots[:, None], ones_like(slots), lower_bound, eps)
+    y    -> view(slice_scatter(zeros [T, P], new[0], rows :R), [T H, D]);  page2 -> new[1]
+
+Every constant and layout above is checked; a group that differs is kept and ``bind``
+says why. Invariants: the same values (our op's CPU reference is stock's KDA decode,
+whose math and rounding points are vLLM's), the same mutation (the page), padding rows
+zero (vLLM leaves them unwritten).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+
+from .graph import TritonCall
+
+aten = torch.ops.aten
+K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent"
+REC = f"{K3}.fused_recurrent_kda_packed_decode_kernel"
+CONV = "vllm.model_executor.layers.mamba.ops.causal_conv1d._causal_conv1d_update_kernel"
+NORM = "vllm.third_party.flash_linear_attention.ops.kda.layer_norm_gated_fwd_kernel"
+CONV_FLAGS = {"SILU_ACTIVATION": True, "HAS_BIAS": False, "IS_VARLEN": False, "IS_SPEC_DECODING": False,
+              "seqlen": 1, "stride_conv_state_dim": 1}
+NORM_FLAGS = {"ACTIVATION": "sigmoid", "IS_RMS_NORM": True, "HAS_BIAS": False, "HAS_RESIDUAL": False,
+              "HAS_WEIGHT": True}
+
+
+@dataclass
+class KdaGroup:
+    rec: TritonCall
+    norm: TritonCall
+    page: fx.Node  # the page before the step (page0)
+    page_out: fx.Node  # the page after both write-backs (page2)
+    conv_start: int
+    state_len: int
+    rec_start: int
+    conv_width: int
+    head_dim: int
+    live: int  # R
+    args: dict[str, Any]  # our op's arguments but f_a / f_b_weight, g2 / beta of all T rows
+    g1: fx.Node  # the f_b GEMM's output [T, P]
+
+
+def _is(node: Any, target, arg0: Any = None) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target and (
+        arg0 is None or node.args[0] is arg0)
+
+
+def _through(node: Any, *targets) -> Any:
+    """The input under a chain of single-input views ``targets`` (outermost first)."""
+    for target in targets:
+        if not _is(node, target):
+            return None
+        node = node.args[0]
+    return node
+
+
+def _write_back(state: fx.Node | None) -> fx.Node | None:
+    """The ``slice_scatter(page, view(..., int8), 1, start, end)`` a launch's new state
+    value feeds (its only user chain), else None."""
+    node = state
+    while node is not None and len(node.users) == 1:
+        node = next(iter(node.users))
+        if _is(node, aten.slice_scatter.default):
+            return node
+        if node.target not in (aten.permute.default, aten.view.default, aten.view.dtype):
+            return None
+    return None
+
+
+def bind(rec_node: fx.Node) -> KdaGroup | str:
+    """vLLM's KDA core group around the recurrence launch ``rec_node``, or why not."""
+    rec = TritonCall.of(rec_node)
+    if rec is None or rec.name != REC:
+        return ("not vLLM's Triton packed KDA decode (its native _C.fused_kda_decode and its spec-decode "
+                "path are not lowered)")
+    mixed = _through(rec.arg("mixed_qkv"), aten.squeeze.dim, aten.unsqueeze.default, aten.squeeze.dim)
+    if not (_is(mixed, operator.getitem) and mixed.args[1] == "o_ptr"):
+        return "its packed QKV is not the conv update's output"
+    conv = TritonCall.of(mixed.args[0])
+    if conv is None or conv.name != CONV:
+        return "its packed QKV is not the conv update's output"
+    if any(conv.arg(k) != v for k, v in CONV_FLAGS.items()) or conv.arg("state_len") != conv.arg("KERNEL_WIDTH") - 1:
+        return f"conv update flags {({k: conv.arg(k) for k in (*CONV_FLAGS, 'state_len')})} (ours: one token, silu, " \
+               "no bias, states [S, width - 1, dim])"
+    norm = _norm_after(rec)
+    if isinstance(norm, str):
+        return norm
+    # the page: conv state = permute(view(view.dtype(slice(page0, 1, c0, c1))))
+    conv_slice = _through(conv.arg("conv_state_ptr"), aten.permute.default, aten.view.default, aten.view.dtype)
+    rec_slice = _through(rec.arg("state"), aten.view.default, aten.view.dtype)
+    page1, page2 = _write_back(conv.output("conv_state_ptr")), _write_back(rec.output("state"))
+    if not (_is(conv_slice, aten.slice.Tensor) and _is(rec_slice, aten.slice.Tensor) and page1 is not None
+            and page2 is not None and rec_slice.args[0] is page1 and page2.args[0] is page1
+            and page1.args[0] is conv_slice.args[0]
+            and tuple(page1.args[2:]) == tuple(conv_slice.args[1:]) == (1, *conv_slice.args[2:])
+            and tuple(page2.args[2:]) == tuple(rec_slice.args[1:])):
+        return "its conv and recurrent states are not byte ranges of one int8 page per slot (vLLM's binding)"
+    page = page1.args[0]
+    x = _through(conv.arg("x_ptr"), aten.unsqueeze.default)
+    if x is None or conv.arg("conv_state_ptr").args[0].args[0].args[1] != x.meta["val"].dtype:
+        return "its conv state's dtype is not its packed QKV's"
+    D = rec.arg("K")
+    if rec.arg("V") != D or abs(rec.arg("scale") - D**-0.5) > 1e-6 * D**-0.5 or not rec.arg("USE_LOWER_BOUND"):
+        return f"recurrence K={D} V={rec.arg('V')} scale={rec.arg('scale')} (ours: V = K, scale K^-1/2, a lower bound)"
+    raw_g = _through(rec.arg("raw_g"), aten.slice.Tensor, aten.view.default, aten.view.default)
+    beta = _through(rec.arg("raw_beta"), aten.slice.Tensor, aten.unsqueeze.default)
+    g2 = norm.arg("g")
+    while _is(g2, aten.view.default):  # [T, H, D] views of the in-projection's [T, P] columns
+        g2 = g2.args[0]
+    if raw_g is None or beta is None or g2.meta["val"].dim() != 2:
+        return "its gate, beta or packed QKV inputs are not the in-projection's columns"
+    live = conv.arg("batch")
+    w = conv.arg("w_ptr")
+    conv_weight = _through(w, aten.view.default) if _is(w, aten.view.default) else w
+    slots = conv.arg("conv_state_indices_ptr")
+    if rec.arg("state_indices") is not conv.output("conv_state_indices_ptr") and rec.arg("state_indices") is not slots:
+        return "its recurrence and conv update read different state slots"
+    return KdaGroup(rec=rec, norm=norm, page=page, page_out=page2, conv_start=conv_slice.args[2],
+                    state_len=conv.arg("state_len"), rec_start=rec_slice.args[2], conv_width=conv.arg("KERNEL_WIDTH"),
+                    head_dim=D, live=live, g1=raw_g, args=dict(
+                        mixed_qkv=x, g2=g2, beta=beta, conv_weight=conv_weight, A_log=rec.arg("A_log"),
+                        dt_bias=rec.arg("dt_bias"), norm_weight=norm.arg("w"), state_slots=slots,
+                        lower_bound=float(rec.arg("lower_bound")), norm_eps=float(norm.arg("eps"))))
+
+
+def _norm_after(rec: TritonCall) -> TritonCall | str:
+    """The gated RMSNorm launch that reads the recurrence's output rows."""
+    out, seen = rec.output("out"), set()
+    frontier = [out] if out is not None else []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            call = TritonCall.of(user)
+            if call is not None and call.name == NORM:
+                bad = {k: call.arg(k) for k, v in NORM_FLAGS.items() if call.arg(k) != v}
+                return call if not bad else f"gated norm flags {bad} (ours: sigmoid-gated RMSNorm with a weight)"
+            if user not in seen and user.op == "call_function" and user.target in (
+                    aten.select.int, aten.slice_scatter.default, aten.select_scatter.default, aten.view.default):
+                seen.add(user)
+                frontier.append(user)
+    return "no gated RMSNorm reads its output"
+
+
+def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
+    """Emit our op in place of the group (see the module docstring); returns its node.
+    Row counts may be symbolic (vLLM marks the token count dynamic): R is read from the
+    live packed QKV, T from the gate's columns, never written as a number."""
+    a, y = group.args, group.norm.output("y")
+    P = a["g2"].meta["val"].shape[1]
+    H = a["beta"].meta["val"].shape[1]
+    with g.inserting_before(group.rec.node):
+        R = group.live if isinstance(group.live, int) else g.call_function(aten.sym_size.int, (a["mixed_qkv"], 0))
+
+        def rows(node):
+            return g.call_function(aten.slice.Tensor, (node, 0, 0, R))
+
+        conv_weight = a["conv_weight"]
+        if tuple(conv_weight.meta["val"].shape) != (3 * P, 1, group.conv_width):
+            conv_weight = g.call_function(aten.view.default, (conv_weight, [3 * P, 1, group.conv_width]))
+        slots = a["state_slots"]
+        kwargs = dict(mixed_qkv=a["mixed_qkv"], f_a=rows(f_a), f_b_weight=f_b, g2=rows(a["g2"]), beta=rows(a["beta"]),
+                      conv_weight=conv_weight, A_log=a["A_log"], dt_bias=a["dt_bias"], norm_weight=a["norm_weight"],
+                      conv_start=group.conv_start, state_len=group.state_len, rec_start=group.rec_start,
+                      state_slots=g.call_function(aten.unsqueeze.default, (slots, 1)),
+                      num_accepted=g.call_function(aten.ones_like.default, (slots,)),
+                      lower_bound=a["lower_bound"], norm_eps=a["norm_eps"], _page_base_index=0,
+                      _all_bases=[group.page])
+        new = g.call_function(auto_functionalized_v2, (torch.ops.kimi_kernels.kda_decode_paged.default,), kwargs)
+        out = g.call_function(operator.getitem, (new, 0))
+        page = g.call_function(operator.getitem, (new, 1))
+        zeros = g.call_function(aten.zeros_like.default, (a["g2"],))  # [T, P]: padding rows zero
+        full = g.call_function(aten.slice_scatter.default, (zeros, out, 0, 0, R))
+        flat = g.call_function(aten.view.default, (full, [-1, P // H]))
+    y.replace_all_uses_with(flat)
+    group.page_out.replace_all_uses_with(page)
+    return new
