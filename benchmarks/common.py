@@ -91,6 +91,15 @@ def run_on_gpus(fn: Callable, gpus: int, args: tuple, json_path: str) -> None:
 
 
 
+def require_rewritten(backend, what: str) -> None:
+    """Stop a timing run whose kimi_specialized graph was left unchanged: the passes
+    rewrite whole Kimi K3 decoder graphs only (issue 15, item 3), and a lone layer is not
+    one, so its "kimi" column would silently be stock."""
+    if not backend.report.decoder:
+        raise SystemExit(f"{what}: kimi_specialized left the graph unchanged ({backend.report.reason}); "
+                         "time the layer inside a decoder step instead (issue 19's bench --step)")
+
+
 def vllm_kernel_module(root: str, relpath: str):
     """vLLM 0.33.0's Python module ``relpath`` (e.g. ``models/kimi_k3/nvidia/ops/attn_res.py``)
     loaded from its wheel unpacked at ``root`` (``pip download --no-deps vllm==0.33.0`` and

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
+from common import Results, floor_us, graph_time_us, require_rewritten, run_on_gpus  # noqa: E402
 from mla_layer import random_params  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
@@ -67,8 +67,10 @@ def _rank(rank: int, world: int, port: int, kind: str, contexts: list[int], requ
                 slots = (table.long().gather(1, (pos // BLOCK).expand(R, q)) * BLOCK + pos % BLOCK).view(-1)
                 cache = tuple(torch.empty(1 + R * per_req, BLOCK // dcp_size, width, dtype=torch.bfloat16,
                                           device="cuda").normal_() for width in (config.latent_row, index_dim) if width)
-                kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["lower_kernels"]}), dynamic=False)
+                backend = KimiSpecialized({"passes": ["lower_kernels"]})
+                kimi = torch.compile(step, backend=backend, dynamic=False)
                 kimi(params, x, slots, table, seq_lens, cache)
+                require_rewritten(backend, "dcp_mla")
                 t = graph_time_us(lambda i: kimi(params, x, slots, table, seq_lens, cache), calls=10, replays=5)
                 read = min(context, config.dsa_config["index_topk"]) if dsa else context
                 cache_bytes = R * (read * config.latent_row + context * index_dim) * 2 / dcp_size

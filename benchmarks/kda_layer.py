@@ -18,7 +18,7 @@ import torch
 from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Results, floor_us, graph_time_us  # noqa: E402
+from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
@@ -89,8 +89,8 @@ def main(argv=None) -> Results:
             rec = (0.1 * torch.randn(rec_shape, generator=gen)).to(device=device)
             start = time.perf_counter()
             stock = torch.compile(step, backend=stock_inductor, dynamic=False)
-            kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"}),
-                                 dynamic=False)
+            backend = KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"})
+            kimi = torch.compile(step, backend=backend, dynamic=False)
             c1, r1, c2, r2 = conv.clone(), rec.clone(), conv.clone(), rec.clone()
             want = stock(copies[0], x, slots, accepted, c1, r1).float()
             got = kimi(copies[0], x, slots, accepted, c2, r2).float()
@@ -100,6 +100,7 @@ def main(argv=None) -> Results:
             if args.smoke:
                 res.add(q=q, rows=rows, rel_err=err, state_err=state_err)
                 continue
+            require_rewritten(backend, "kda_layer")
             n = len(copies)
             t_stock = graph_time_us(lambda i: stock(copies[i % n], x, slots, accepted, conv, rec))
             t_kimi = graph_time_us(lambda i: kimi(copies[i % n], x, slots, accepted, conv, rec))

@@ -23,7 +23,7 @@ import torch
 from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Results, floor_us, graph_time_us  # noqa: E402
+from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
@@ -84,8 +84,8 @@ def main(argv=None) -> Results:
                             for width in (config.latent_row, index_dim) if width)
                       for _ in range(1 if args.smoke else args.copies)]
             stock = torch.compile(step, backend=stock_inductor, dynamic=False)
-            kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"}),
-                                 dynamic=False)
+            backend = KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"})
+            kimi = torch.compile(step, backend=backend, dynamic=False)
             c1, c2 = [tuple(c.clone() for c in caches[0]) for _ in range(2)]
             want = stock(copies[0], x, slots, table, seq_lens, c1).float()
             got = kimi(copies[0], x, slots, table, seq_lens, c2).float()
@@ -93,6 +93,7 @@ def main(argv=None) -> Results:
             if args.smoke:
                 res.add(q=q, rows=rows, rel_err=err, cache_equal=all(map(torch.equal, c1, c2)))
                 continue
+            require_rewritten(backend, "mla_layer")
             n = len(copies)
             t_stock = graph_time_us(lambda i: stock(copies[i % n], x, slots, table, seq_lens, caches[i % n]))
             t_kimi = graph_time_us(lambda i: kimi(copies[i % n], x, slots, table, seq_lens, caches[i % n]))

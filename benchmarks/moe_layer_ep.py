@@ -30,7 +30,7 @@ import torch.distributed._functional_collectives as fc
 from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Results, floor_us, graph_time_us, run_on_gpus  # noqa: E402
+from common import Results, floor_us, graph_time_us, require_rewritten, run_on_gpus  # noqa: E402
 from moe_experts import eager_time_us  # noqa: E402
 from moe_layer import random_params, stock_inductor_with, weight_bytes  # noqa: E402
 
@@ -85,7 +85,8 @@ def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
         gen = torch.Generator().manual_seed(rows * world + rank)
         x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
         pad = torch.zeros(rows, dtype=torch.bool, device=device)
-        kimi = torch.compile(step, backend=KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]}), dynamic=False)
+        backend = KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]})
+        kimi = torch.compile(step, backend=backend, dynamic=False)
         dense = stock_inductor_with({torch.ops.kimi.ep_experts.default: _dense_ep_experts})
         inductor = torch.compile(step, backend=dense, dynamic=False)
         want, got = step(params, x, pad).float(), kimi(params, x, pad).float()
@@ -100,6 +101,7 @@ def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
         active = int(torch.unique(ids[(ids >= 0) & (ids < local)]).numel())
         row = dict(rank=rank, rows=rows, active_experts=active, rel_err=err, inductor_rel_err=inductor_err)
         if not smoke:
+            require_rewritten(backend, "moe_layer_ep")
             fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
             t_kimi = graph_time_us(lambda i: kimi(params, x, pad), calls=5, replays=5)
             dist.barrier()

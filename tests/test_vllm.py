@@ -361,4 +361,3 @@ def test_vllm_situ_and_mul_fuses_into_its_gemm():
     gm = GraphModule(torch.nn.Module(), g)
     LowerKernels()(gm, PassContext(gm, Options(), MatchReport(), DecoderGraph()))
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.kimi_kernels.mm_situ.default]
-
