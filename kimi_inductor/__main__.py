@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--only", nargs="+", help="a subset of the suite (kimi_inductor/bench.py SUITE), e.g. "
                                              "kda_layer_q1 moe_layer mla_layer dcp_mla")
     b.add_argument("--smoke", action="store_true", help="CPU smoke run of the KDA layer benchmark")
+    b.add_argument("--step", action="store_true", help="only the whole decoder step at K3 per-rank shapes "
+                                                       "(benchmarks/decode_step.py; same as --only decode_step)")
     return parser
 
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench import bench
 
-        for name, path in bench(args.out, args.only, args.smoke).items():
+        for name, path in bench(args.out, ["decode_step"] if args.step else args.only, args.smoke).items():
             print(f"{name}: {path}")
         return 0
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 SUITE = {  # name: (script, arguments)
+    "decode_step": ("decode_step.py", []),  # the whole decoder step (issue 19); --step runs only this
     "kda_layer_q1": ("kda_layer.py", ["--rows", "1", "2", "8", "32", "64", "--q", "1"]),
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),

@@ -50,6 +50,16 @@ def test_bench_smoke_runs_the_layer_benchmark_on_cpu(tmp_path):
     assert rows and rows[0]["rel_err"] < 0.05
 
 
+def test_step_benchmark_smoke_compiles_every_layer(tmp_path):
+    """``bench --step``'s script on CPU (tiny shapes, eager compilers): kimi_specialized
+    rewrote every layer of the whole decoder and equals stock."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import decode_step
+
+    rows = decode_step.main(["--smoke", "--rows", "2", "--q", "1", "--json", str(tmp_path / "step.json")]).rows
+    assert rows and rows[0]["rewritten_layers"] == 9 and rows[0]["rel_err"] == 0.0
+
+
 def test_runs_without_triton():
     """``pip install -e .`` where Triton has no wheel: every module imports and each op
     runs its CPU reference (the README's main job must not need the test extra)."""

@@ -1,0 +1,148 @@
+"""The whole decoder step at Kimi K3 per-rank shapes on one GPU (issue 19, item 1).
+
+The model: the stock decoder at TP8 per-rank shapes (``k3_rank.per_rank_config``:
+hidden 7168, ``--layers`` in K3's KDA:MLA schedule with AttnRes blocks, layer 0 dense,
+MoE layers with ``--experts`` routed experts of full width, the experts an EP rank
+holds), R requests of q tokens at ``--context`` tokens of cache (random cache contents, no
+prefill), one step from ``model.forward`` to the final hidden states. Variants, each
+timed inside CUDA graphs (``common.graph_time_us``, the same step replayed):
+
+* ``kimi``: ``torch.compile(model, backend="kimi_specialized")``, every pass;
+* ``inductor``: the stock model compiled by Inductor, its routed experts in their
+  capturable dense form (the stock expert loop has data-dependent shapes);
+* ``floor``: every weight the step reads (all non-expert weights, the experts its rows
+  picked, per MoE layer), the KDA states read and written, the MLA latent cache rows
+  read, at 4.28 TB/s.
+
+Compile time: the first call of each variant (``compile_s``, cold in a fresh process)
+and again after ``torch._dynamo.reset()`` (``recompile_s``, Inductor's caches warm).
+
+    python benchmarks/decode_step.py --rows 1 2 8 32 64 --q 1 4 --json step.json
+    python -m kimi_inductor bench --step
+    python benchmarks/decode_step.py --smoke        # CPU, tiny shapes, no timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, floor_us, graph_time_us  # noqa: E402
+from k3_rank import checkpoint, fill_caches, per_rank_config, smoke_config  # noqa: E402
+from moe_layer import _dense_fused, stock_inductor_with  # noqa: E402
+
+from kimi_inductor.backend import KimiSpecialized  # noqa: E402
+from kimi_inductor.stock import Parallel  # noqa: E402
+from kimi_inductor.stock import moe as stock_moe  # noqa: E402
+from kimi_inductor.stock.batch import DecodeBatch  # noqa: E402
+from kimi_inductor.stock.checkpoint import build_model  # noqa: E402
+
+
+def experts_hit(model, step, caches) -> list[int]:
+    """Per MoE layer, how many distinct experts the step's rows pick (one eager step on
+    copies of the caches, the router's selection recorded)."""
+    picked, select = [], stock_moe.select_experts
+
+    def record(*args, **kwargs):
+        weights, ids = select(*args, **kwargs)
+        picked.append(int(torch.unique(ids).numel()))
+        return weights, ids
+
+    stock_moe.select_experts = record
+    try:
+        with torch.no_grad():
+            model(step, [tuple(t.clone() for t in c) for c in caches])
+    finally:
+        stock_moe.select_experts = select
+    return picked
+
+
+def floor_bytes(model, caches, hit: list[int], rows: int, requests: int, context: int) -> int:
+    """What one step must move: weights (experts: those hit), states, cache rows read."""
+    nbytes, expert_bytes = 0, 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert_bytes += size // p.shape[0]  # per expert, summed over the layer's tensors
+        else:
+            nbytes += size
+    moe_layers = sum(layer.is_moe_layer for layer in model.model.layers)
+    nbytes += sum(hit) * expert_bytes // max(1, moe_layers)
+    for layer, cache in zip(model.model.layers, caches):
+        if layer.kind == "kda":  # conv and recurrent state of each request: read and written
+            nbytes += 2 * sum(t[0].numel() * t.element_size() for t in cache) * requests
+        else:  # latent cache rows of the context (and DSA's index rows)
+            nbytes += sum(t.shape[-1] * t.element_size() for t in cache) * requests * context
+    hidden = model.config.hidden_size
+    return nbytes + rows * hidden * 2 * 2
+
+
+def main(argv=None) -> Results:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 32, 64], help="rows per step (R q)")
+    p.add_argument("--q", type=int, nargs="+", default=[1, 4], help="tokens per request")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (K3's KDA:MLA schedule)")
+    p.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (an EP rank's)")
+    p.add_argument("--context", type=int, default=4000, help="tokens already in every request's cache")
+    p.add_argument("--block", type=int, default=64, help="latent-cache block size")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager compilers, no timing")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.context, args.block = min(args.context, 40), 4
+    config = smoke_config() if args.smoke else per_rank_config(args.layers, args.experts)
+    model = build_model(config, checkpoint(config, 0, device), Parallel(), device=device)
+    inductor = stock_inductor_with({torch.ops.kimi.fused_experts.default: _dense_fused})
+    kimi_options = {"compiler": "eager"} if args.smoke else {}
+    res = Results("decode_step")
+    for q in args.q:
+        for rows in args.rows:
+            if rows % q:
+                continue
+            R = rows // q
+            batch = DecodeBatch(R, q, 0, config.vocab_size, block_size=args.block, max_context=args.context + q)
+            batch.context[:] = args.context - 1
+            caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, q, device=device)
+            fill_caches(caches, 7, device)
+            step = batch.step().to(device)
+            hit = experts_hit(model, step, caches)
+            row: dict[str, Any] = dict(q=q, rows=rows, requests=R, context=args.context, experts_hit=hit)
+            outs = {}
+            for name, backend in (("kimi", KimiSpecialized(kimi_options)),
+                                  ("inductor", "eager" if args.smoke else inductor)):
+                times = []
+                for _ in range(2):  # cold, then again with Inductor's caches warm
+                    torch._dynamo.reset()
+                    fn = torch.compile(model, backend=backend, dynamic=False)
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        outs[name] = fn(step, [tuple(t.clone() for t in c) for c in caches]).float()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                row[f"{name}_compile_s"], row[f"{name}_recompile_s"] = times
+                if name == "kimi":
+                    row["rewritten_layers"] = sum(layer.rewritten for layer in backend.report.layers)
+                if not args.smoke:
+                    with torch.no_grad():
+                        row[f"{name}_us"] = graph_time_us(lambda i: fn(step, caches), calls=5, replays=5)
+            ref = outs["inductor"]
+            row["rel_err"] = float(((outs["kimi"] - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+            if not args.smoke:
+                fl = floor_us(floor_bytes(model, caches, hit, rows, R, args.context))
+                row.update(floor_us=fl, kimi_x_floor=row["kimi_us"] / fl, speedup=row["inductor_us"] / row["kimi_us"])
+            res.add(**row)
+    if args.json:
+        res.dump(args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()
