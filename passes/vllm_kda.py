@@ -69,9 +69,8 @@ class KdaGroup:
     g1: fx.Node  # the f_b GEMM's output [T, P]
 
 
-def _is(node: Any, target, arg0: Any = None) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target and (
-        arg0 is None or node.args[0] is arg0)
+def _is(node: Any, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
 
 
 def _through(node: Any, *targets) -> Any:
@@ -115,7 +114,8 @@ def bind(rec_node: fx.Node) -> KdaGroup | str:
     if isinstance(norm, str):
         return norm
     # the page: conv state = permute(view(view.dtype(slice(page0, 1, c0, c1))))
-    conv_slice = _through(conv.arg("conv_state_ptr"), aten.permute.default, aten.view.default, aten.view.dtype)
+    conv_bytes = _through(conv.arg("conv_state_ptr"), aten.permute.default, aten.view.default)  # view.dtype
+    conv_slice = _through(conv_bytes, aten.view.dtype)
     rec_slice = _through(rec.arg("state"), aten.view.default, aten.view.dtype)
     page1, page2 = _write_back(conv.output("conv_state_ptr")), _write_back(rec.output("state"))
     if not (_is(conv_slice, aten.slice.Tensor) and _is(rec_slice, aten.slice.Tensor) and page1 is not None
@@ -126,7 +126,7 @@ def bind(rec_node: fx.Node) -> KdaGroup | str:
         return "its conv and recurrent states are not byte ranges of one int8 page per slot (vLLM's binding)"
     page = page1.args[0]
     x = _through(conv.arg("x_ptr"), aten.unsqueeze.default)
-    if x is None or conv.arg("conv_state_ptr").args[0].args[0].args[1] != x.meta["val"].dtype:
+    if x is None or conv_bytes.args[1] != x.meta["val"].dtype:
         return "its conv state's dtype is not its packed QKV's"
     D = rec.arg("K")
     if rec.arg("V") != D or abs(rec.arg("scale") - D**-0.5) > 1e-6 * D**-0.5 or not rec.arg("USE_LOWER_BOUND"):

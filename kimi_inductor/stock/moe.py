@@ -19,6 +19,9 @@ Routed experts, by layout:
       outputs back on the token's rank. Rows flagged in ``is_padding`` are not
       routed (zero output); more than ``max_num_tokens`` rows raise ``ValueError``.
       The shared expert is replicated.
+Experts are bf16, or MXFP4 as a checkpoint ships them (``store_mxfp4``: codes and E8M0
+scales, passed to the expert ops as optional ``w13_scale`` / ``w2_scale``, which
+dequantise them: ``stock.mxfp4``).
 """
 
 from __future__ import annotations
