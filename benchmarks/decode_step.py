@@ -17,7 +17,7 @@ timed inside CUDA graphs (``common.graph_time_us``, the same step replayed):
 Compile time: the first call of each variant (``compile_s``, cold in a fresh process)
 and again after ``torch._dynamo.reset()`` (``recompile_s``, Inductor's caches warm).
 
-    python benchmarks/decode_step.py --rows 1 2 8 32 64 --q 1 4 --json step.json
+    python benchmarks/decode_step.py --rows 1 2 8 32 64 --q 1 4 --json step.json [--mxfp4]
     python -m kimi_inductor bench --step
     python benchmarks/decode_step.py --smoke        # CPU, tiny shapes, no timing
 """
@@ -91,6 +91,7 @@ def main(argv=None) -> Results:
     p.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (an EP rank's)")
     p.add_argument("--context", type=int, default=4000, help="tokens already in every request's cache")
     p.add_argument("--block", type=int, default=64, help="latent-cache block size")
+    p.add_argument("--mxfp4", action="store_true", help="MXFP4 routed experts, loaded packed (issue 18)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager compilers, no timing")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv=None) -> Results:
     if args.smoke:
         args.context, args.block = min(args.context, 40), 4
     config = smoke_config() if args.smoke else per_rank_config(args.layers, args.experts)
-    model = build_model(config, checkpoint(config, 0, device), Parallel(), device=device)
+    model = build_model(config, checkpoint(config, 0, device, args.mxfp4), Parallel(), device=device)
     inductor = stock_inductor_with({torch.ops.kimi.fused_experts.default: _dense_fused})
     kimi_options = {"compiler": "eager"} if args.smoke else {}
     res = Results("decode_step")
@@ -113,7 +114,8 @@ def main(argv=None) -> Results:
             fill_caches(caches, 7, device)
             step = batch.step().to(device)
             hit = experts_hit(model, step, caches)
-            row: dict[str, Any] = dict(q=q, rows=rows, requests=R, context=args.context, experts_hit=hit)
+            row: dict[str, Any] = dict(q=q, rows=rows, requests=R, context=args.context, experts_hit=hit,
+                                       experts="mxfp4" if args.mxfp4 else "bf16")
             outs = {}
             for name, backend in (("kimi", KimiSpecialized(kimi_options)),
                                   ("inductor", "eager" if args.smoke else inductor)):
