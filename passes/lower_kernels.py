@@ -132,14 +132,16 @@ class LowerKernels:
         if mla:
             info.skipped.append(f"{', '.join(mla)} MLA / DSA cores kept (issue 17: not lowered yet)")
         dropped = set()  # replaced cores (decoder ops survive dead-code removal otherwise)
-        for core in [c for c in foreign if c.kind == "kda" and getattr(OpCall.of(c.node), "op", None)
-                     is not kk.kda_decode_paged.default]:
+        lowered = {kk.kda_decode_paged.default}  # ours already (a second run of the pass)
+        for core in [c for c in foreign if c.kind == "kda" and getattr(OpCall.of(c.node), "op", None) not in lowered]:
             info.matched += 1
             group = vllm_kda.bind(core.node)
-            gemm = None if isinstance(group, str) else match_gemm(group.g1)
-            why = group if isinstance(group, str) else \
-                kda_kernel.supported(group.conv_width, group.head_dim) or \
-                ("its g1 is not a plain f_b GEMM" if gemm is None or gemm[2] is not None else "")
+            if isinstance(group, str):
+                why, gemm = group, None
+            else:
+                why, gemm = kda_kernel.supported(group.conv_width, group.head_dim), match_gemm(group.g1)
+                if not why and (gemm is None or gemm[2] is not None):
+                    why = "its g1 is not a plain f_b GEMM"
             if why:
                 kept[f"KDA core ({core.spelling}): {why}"] += 1
                 continue
