@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--smoke", action="store_true", help="CPU smoke run of the KDA layer benchmark")
     b.add_argument("--step", action="store_true", help="only the whole decoder step at K3 per-rank shapes "
                                                        "(benchmarks/decode_step.py; same as --only decode_step)")
+    b.set_defaults(subparser=b)
     return parser
 
 
@@ -101,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         if (args.preset, args.layout, args.q) != ("tiny", "sp", 1):
             args.subparser.error("--vllm explains vLLM's own tiny K3 in its SP layout at q = 1: "
                                  "--preset, --layout and --q do not apply")
+    if args.command == "bench" and not args.smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            args.subparser.error("the benchmarks time CUDA graphs and need a CUDA GPU (none is visible here); "
+                                 "--smoke runs the KDA layer benchmark's CPU smoke mode")
     if args.command == "explain" and args.layer is not None:
         from .stock import KimiK3Config
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kimi_inductor.explain import explain
 
@@ -48,6 +49,13 @@ def test_bench_smoke_runs_the_layer_benchmark_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "kda_layer_smoke.json").read_text())["rows"]
     assert rows and rows[0]["rel_err"] < 0.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_bench_without_a_gpu_is_refused_up_front(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kimi_inductor", "bench", "--step", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "need a CUDA GPU" in proc.stderr and "--smoke" in proc.stderr
 
 
 def test_step_benchmark_smoke_compiles_every_layer(tmp_path):
