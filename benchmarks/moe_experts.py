@@ -42,11 +42,11 @@ from kimi_inductor.stock.mxfp4 import dequantize_experts  # noqa: E402
 BETA, LINEAR_BETA = 4.0, 25.0
 
 
-def dense_experts(latent, weights, ids, w13, w2):
+def dense_experts(latent, weights, ids, w13, w2, beta=BETA, linear_beta=LINEAR_BETA):
     """Every expert on every row, weighted by a dense [T, E] routing matrix (capturable)."""
     route = torch.zeros(latent.shape[0], w13.shape[0], device=latent.device).scatter_(1, ids.long(), weights)
     h = torch.matmul(latent, w13.transpose(1, 2))  # [E, T, 2I]
-    y = torch.matmul(situ_and_mul(h, BETA, LINEAR_BETA), w2.transpose(1, 2))  # [E, T, L]
+    y = torch.matmul(situ_and_mul(h, beta, linear_beta), w2.transpose(1, 2))  # [E, T, L]
     return (y.float() * route.t()[:, :, None]).sum(0)
 
 

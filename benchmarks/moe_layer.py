@@ -32,10 +32,13 @@ from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
 from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
 from kimi_inductor.stock.moe import KimiMoE, router_logits, select_experts  # noqa: E402
+from kimi_inductor.stock.mxfp4 import expert_weights  # noqa: E402
 
 
-def _dense_fused(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta):
-    return dense_experts(latent, topk_weights, topk_ids, w13, w2).to(latent.dtype)
+def _dense_fused(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale=None, w2_scale=None):
+    """``kimi::fused_experts`` in capturable form (MXFP4 experts dequantised first)."""
+    w13, w2 = expert_weights(w13, w2, w13_scale, w2_scale, latent.dtype)
+    return dense_experts(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta).to(latent.dtype)
 
 
 def stock_inductor_with(capturable: dict) -> Callable:
