@@ -3,7 +3,8 @@
     torch.compile(model, backend="kimi_specialized", options={
         "passes": ["hybrid_attention", "mega_moe", "lower_kernels"],  # which rewrites run (pipeline order)
         "decode": {"tp": 4, "q": 4, "dcp": 1,    # the deployment's decode settings
-                   "capture_sizes": [8, 16]},    # rewrite only these batch rows (empty: all)
+                   "capture_sizes": [8, 16],     # rewrite only these batch rows (empty: all)
+                   "sharded_moe_rows": 64},      # sharded_moe up to this many rows (0: never)
         "strict": False,                         # raise when a layer does not match
         "compiler": "inductor",                  # or "eager": no code generation
     })
@@ -39,6 +40,7 @@ class DecodeSettings:
     q: int | None = None  # tokens per request, 1 + speculative tokens (None: any)
     dcp: int = 1  # decode context parallel size (1 or G)
     capture_sizes: tuple[int, ...] = ()  # batch rows T to rewrite (empty: every T)
+    sharded_moe_rows: int = 64  # sharded_moe rewrites MoE layers of steps with at most this many rows
 
     def __post_init__(self) -> None:
         if self.tp is not None and _int(self.tp, "decode.tp") not in (1, 2, 4, 8, 16):
@@ -51,6 +53,8 @@ class DecodeSettings:
         for size in self.capture_sizes:
             if _int(size, "decode.capture_sizes entries") < 1:
                 raise ValueError(f"decode.capture_sizes entries must be positive row counts, got {size}")
+        if _int(self.sharded_moe_rows, "decode.sharded_moe_rows") < 0:
+            raise ValueError(f"decode.sharded_moe_rows must be >= 0 (0: never), got {self.sharded_moe_rows}")
 
     @classmethod
     def from_mapping(cls, decode: "DecodeSettings | Mapping[str, Any]") -> "DecodeSettings":

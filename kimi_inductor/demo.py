@@ -17,6 +17,7 @@ import dataclasses
 import json
 from typing import Any
 
+from .config import Options
 from .harness import DecodeRun, decode_many, progress as say
 from .launch import run_ranks
 from .passes.report import LayerReport
@@ -31,7 +32,9 @@ def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, reque
     compiled = dataclasses.replace(stock, layer_timings=False, backend="kimi_specialized",
                                    options={"compiler": compiler}, progress="kimi_specialized" if progress else "")
     rows = (requests + padding) * q
-    bitwise = dtype == "bfloat16" and (ranks <= 2 or rows % ranks == 0)
+    # sharded_moe sums partial shared-expert outputs in bf16 across ranks: a band, not bitwise
+    sharded_moe = ranks > 1 and rows <= Options().decode.sharded_moe_rows
+    bitwise = dtype == "bfloat16" and not sharded_moe and (ranks <= 2 or rows % ranks == 0)
     runs = [stock, compiled]
     if dtype == "bfloat16" and not bitwise:
         runs.append(dataclasses.replace(stock, dtype="float32", layer_timings=False,

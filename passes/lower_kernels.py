@@ -201,6 +201,9 @@ class LowerKernels:
             if not isinstance(M, int):
                 kept[f"GEMM {N}x{K}: symbolic rows"] += 1
                 continue
+            if not w.meta["val"].is_contiguous():
+                kept[f"GEMM {N}x{K}: a column block of its weight (sharded_moe): cuBLAS reads it in place"] += 1
+                continue
             dtype = x.meta["val"].dtype
             why = skinny_gemm.choose(M, N, K, dtype)[1]
             if why:

@@ -2,6 +2,8 @@
 
     hybrid_attention  SP decoder -> hybrid step (first: later passes see final row layouts)
     mega_moe          routed experts -> our expert-parallel / grouped expert kernels
+    sharded_moe       small batches: hybrid MoE layers on all rows, shared experts and
+                      latent up-projection TP-sharded (after mega_moe: replaces its exchange)
     lower_kernels     decode subgraphs -> our Triton / CuTe DSL kernels (last)
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 from .hybrid_attention import HybridAttention
 from .lower_kernels import LowerKernels
 from .mega_moe import MegaMoE
+from .sharded_moe import ShardedMoE
 
-PASSES = {p.name: p for p in (HybridAttention, MegaMoE, LowerKernels)}
+PASSES = {p.name: p for p in (HybridAttention, MegaMoE, ShardedMoE, LowerKernels)}
 PASS_ORDER = tuple(PASSES)

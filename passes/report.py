@@ -14,8 +14,8 @@ from typing import Any
 @dataclass
 class LayerReport:
     """One decoder layer: what each pass did to it. ``reason`` is hybrid_attention's
-    statement (the collectives), ``notes`` mega_moe's (``moe``), lower_kernels'
-    (``kernels``) and the attention's DCP layout (``dcp``)."""
+    statement (the collectives), ``notes`` mega_moe's (``moe``), sharded_moe's
+    (``moe_layout``), lower_kernels' (``kernels``) and the attention's DCP layout (``dcp``)."""
 
     index: int
     kind: str  # kda | mla | dsa
@@ -34,7 +34,7 @@ class LayerReport:
         return out
 
 
-NOTE_PASSES = {"moe": "mega_moe", "kernels": "lower_kernels"}
+NOTE_PASSES = {"moe": "mega_moe", "moe_layout": "sharded_moe", "kernels": "lower_kernels"}
 
 
 @dataclass

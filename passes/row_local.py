@@ -10,8 +10,10 @@ all rows. The proof is by construction over the subgraph in graph order; a value
     pointwise ops          row-carrying operands [R, ...] of the output's rank; other
                            operands broadcast without a row dimension (lower rank, or
                            leading size 1)
-    mm / addmm / mm.dtype  row-carrying left operand, right operand (and bias) not
-    reductions, softmax    over dimensions other than 0
+    mm / addmm / mm.dtype  row-carrying left operand, right operand not (addmm's
+                           accumulator: [R, N] rows, or without a row dimension)
+    reductions, softmax,   over dimensions other than 0
+    topk, gather
     views and layout ops   keeping dimension 0 as it is (view/reshape to [R, ...],
                            permute with 0 first, slice/split/select/squeeze/unsqueeze/
                            cat off dimension 0, getitem of a split)
@@ -43,7 +45,7 @@ REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.
               aten._softmax.default, aten._log_softmax.default}
 DIM_OPS = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.select.int,
            aten.squeeze.dim, aten.unsqueeze.default, aten.narrow.default, aten.slice_scatter.default,
-           aten.select_scatter.default, aten.cat.default}
+           aten.select_scatter.default, aten.cat.default, aten.topk.default, aten.gather.default}
 SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 SAME_ROWS = SIZED | {aten.clone.default, aten.alias.default, aten._to_copy.default}
 
@@ -72,6 +74,8 @@ def _dims(node: fx.Node) -> list[int]:
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     elif node.target is aten.select_scatter.default:
         dim = node.args[2]
+    elif node.target is aten.topk.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
     elif node.target is aten.var.correction:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     elif node.target is aten.slice.Tensor:
@@ -95,10 +99,11 @@ def _rule(node: fx.Node, carried: set[fx.Node], rows: Any) -> str:
         return ""
     if target in GEMMS:
         index = GEMMS[target][0]
-        others = [a for i, a in enumerate(node.args) if isinstance(a, fx.Node) and i != index]
-        if node.args[index] in carried and not any(a in carried for a in others):
-            return ""
-        return "a GEMM whose right operand depends on the rows"
+        if node.args[index] not in carried or node.args[index + 1] in carried:
+            return "a GEMM whose right operand depends on the rows"
+        if index and node.args[0] in carried and _val(node.args[0]).dim() != 2:  # addmm's accumulator
+            return "a row-carrying accumulator broadcast into the rows"
+        return ""
     if target in REDUCTIONS or target in DIM_OPS:
         dims = _dims(node)
         if not dims and target in REDUCTIONS:
@@ -148,12 +153,12 @@ def _buffer(call: OpCall, argument) -> bool:
     return argument.alias_info is not None and argument.alias_info.is_write
 
 
-def _carried(nodes: set[fx.Node], src: fx.Node) -> tuple[list[fx.Node], str]:
+def _carried(nodes: set[fx.Node], src: fx.Node, also: tuple = ()) -> tuple[list[fx.Node], str]:
     """The row-carrying nodes of ``nodes`` in graph order, and '' or why one is not row-local."""
     rows = _val(src).shape[0]
-    carried = {src}
+    carried = {src, *also}
     for node in src.graph.nodes:
-        if node is src or node not in nodes or not any(a in carried for a in node.all_input_nodes):
+        if node in carried or node not in nodes or not any(a in carried for a in node.all_input_nodes):
             continue
         why = _rule(node, carried, rows)
         if why:
@@ -162,24 +167,27 @@ def _carried(nodes: set[fx.Node], src: fx.Node) -> tuple[list[fx.Node], str]:
     return [n for n in src.graph.nodes if n in carried], ""
 
 
-def reason(nodes: set[fx.Node], src: fx.Node, sink: fx.Node | None = None) -> str:
+def reason(nodes: set[fx.Node], src: fx.Node, sink: fx.Node | None = None, also: tuple = ()) -> str:
     """'' when the subgraph ``nodes`` (all fed by ``src``) is row-local, else the first
-    op that is not proven and why."""
-    carried, why = _carried(nodes, src)
+    op that is not proven and why. ``also``: further row sources with ``src``'s rows (a
+    padding mask sliced like it), which others may read too."""
+    carried, why = _carried(nodes, src, also)
     for node in carried:
+        if node in also:
+            continue
         outside = [u for u in node.users if u not in nodes and u is not sink]
         if outside and not why:
             why = f"{op_name(node)}: its value is also read by {op_name(outside[0])}, outside the subgraph"
     return why
 
 
-def set_rows(nodes: set[fx.Node], src: fx.Node, rows: Any) -> None:
+def set_rows(nodes: set[fx.Node], src: fx.Node, rows: Any, also: tuple = ()) -> None:
     """Make a proven row-local subgraph take ``rows`` rows: the sizes its views and
     expands spell out keep dimension 0 as the rows (``_rule``), so that entry becomes
     ``rows``, and the buffers of declared row-local ops are allocated with ``rows``.
     Call before ``src`` changes."""
     g = src.graph
-    for node in _carried(nodes, src)[0]:
+    for node in _carried(nodes, src, also)[0]:
         if node.target in SIZED:
             args = list(node.args)
             args[1] = [rows, *args[1][1:]]

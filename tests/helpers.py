@@ -4,7 +4,7 @@ import torch
 
 
 def compile_tiny(preset="tiny", layout="sp", group=None, q=4, requests=3, padding=1, options=None,
-                 observer=None, dynamic=False, parallel_options=None):
+                 observer=None, dynamic=False, parallel_options=None, experts="bf16"):
     """Compile one decode step of the tiny stack with kimi_specialized (eager compiler)
     and run it once; returns the backend (reports) and the step's output."""
     from kimi_inductor.backend import KimiSpecialized
@@ -13,7 +13,8 @@ def compile_tiny(preset="tiny", layout="sp", group=None, q=4, requests=3, paddin
     from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
 
     config = KimiK3Config.preset(preset)
-    model = build_model(config, random_checkpoint(config), Parallel(layout, group, **(parallel_options or {})))
+    model = build_model(config, random_checkpoint(config, experts=experts),
+                        Parallel(layout, group, **(parallel_options or {})))
     batch = DecodeBatch(requests, q, padding, config.vocab_size)
     caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q)
     backend = KimiSpecialized({"compiler": "eager", **(options or {})}, observer=observer)

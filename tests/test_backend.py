@@ -90,10 +90,13 @@ def test_a_model_that_is_not_kimi_passes_through_unchanged(width):
     ({"decode": {"capture_sizes": ["8"]}}, "decode.capture_sizes entries must be an int, got str '8'"),
     ({"decode": {"capture_sizes": 8}}, r"decode.capture_sizes must be a list, e.g. \[8, 16\], got int 8"),
     ({"decode": {"capture_sizes": [0]}}, "decode.capture_sizes entries must be positive"),
+    ({"decode": {"sharded_moe_rows": -1}}, r"decode.sharded_moe_rows must be >= 0 \(0: never\), got -1"),
+    ({"decode": {"sharded_moe_rows": 8.0}}, "decode.sharded_moe_rows must be an int, got float 8.0"),
     ({"passes": ["mega_moe", "mega_moe"]}, r"passes lists \['mega_moe'\] more than once"),
     ({"passes": "mega_moe"}, r"passes must be a list, e.g. \['mega_moe'\], got str 'mega_moe'"),
     ({"passes": [1]}, "passes must be a list of pass names"),
-    ({"decode": 8}, r"decode must be a dict with keys \['tp', 'q', 'dcp', 'capture_sizes'\], got int 8"),
+    ({"decode": 8}, r"decode must be a dict with keys \['tp', 'q', 'dcp', 'capture_sizes', 'sharded_moe_rows'\], "
+                    r"got int 8"),
     ("strict", "kimi_specialized options must be a dict"),
 ])
 def test_bad_options_name_the_problem(options, message):

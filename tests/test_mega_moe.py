@@ -88,7 +88,8 @@ def _routed(fake_world, layout, world=2):
         if stage == "after mega_moe":
             snaps["moe"] = region_text(gm, 2, "mlp")
 
-    backend, _ = compile_tiny(layout=layout, group=fake_world(world), q=1, requests=2, padding=1, observer=observe)
+    backend, _ = compile_tiny(layout=layout, group=fake_world(world), q=1, requests=2, padding=1, observer=observe,
+                              options={"decode": {"sharded_moe_rows": 0}})  # the row shard: mega_moe's EP op
     return backend.report, snaps
 
 
@@ -192,9 +193,11 @@ def test_tp_layout_with_grouped_experts_equals_stock_for_16_steps():
 def test_mxfp4_experts_stay_packed_through_every_pass_and_equal_stock(world):
     """A checkpoint with MXFP4 experts, loaded packed: every pass rewrites every layer, the
     report names the MXFP4 experts, and the compiled decode equals stock's (whose ops
-    dequantise) bitwise for 8 steps with a padding request, on 1, 2 and 4 gloo ranks."""
+    dequantise) bitwise for 8 steps with a padding request, on 1, 2 and 4 gloo ranks
+    (the MoE in the row shard; sharded MXFP4 layers: test_sharded_moe.py)."""
     stock = DecodeRun(preset="tiny", layout="sp", q=4, requests=3, padding=1, steps=8, experts="mxfp4")
-    compiled = DecodeRun(**{**stock.__dict__, "backend": "kimi_specialized", "options": {"compiler": "eager"}})
+    compiled = DecodeRun(**{**stock.__dict__, "backend": "kimi_specialized",
+                            "options": {"compiler": "eager", "decode": {"sharded_moe_rows": 0}}})
     ref, out = run_ranks(decode_many, world, [stock, compiled])[0]
     moe = [l["notes"]["moe"] for l in out["report"]["layers"] if "moe" in l["notes"]]
     assert len(moe) == KimiK3Config.preset("tiny").num_hidden_layers - 1

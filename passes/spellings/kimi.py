@@ -100,6 +100,10 @@ COLLECTIVES = CollectiveSpelling(
                  c10d.reduce_scatter_tensor.default: "reduce_scatter"},
 )
 
-SPELLING = Spelling(NAME, _attn_res, _core, _experts, COLLECTIVES,
+# the EP experts ops: output row r is row r's routed experts (the exchange moves rows, never mixes them)
+ROW_LOCAL_OPS = {"kimi::ep_experts": ("latent", "topk_weights", "topk_ids", "is_padding"),
+                 "kimi_kernels::mega_moe": ("latent", "topk_weights", "topk_ids")}
+
+SPELLING = Spelling(NAME, _attn_res, _core, _experts, COLLECTIVES, row_local=ROW_LOCAL_OPS,
                     notes="kimi_inductor.stock's kimi:: ops (and our kimi_kernels:: ops), "
                           "torch functional collectives")

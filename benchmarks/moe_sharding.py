@@ -1,0 +1,124 @@
+"""A MoE layer's non-expert work on one rank at Kimi K3 shapes, in the hybrid step's row
+shard vs ``sharded_moe``'s layout (issue 19, item 3), on one GPU.
+
+Per MoE layer and rank, at T rows of the step and G ranks:
+
+* ``row_shard`` (hybrid_attention alone): c = ceil(T / G) rows; router (896 x 7168, fp32
+  logits, top-16), latent down (3584 x 7168), shared experts (gate_up 12288 x 7168, SiTU,
+  down 7168 x 6144), the post-expert RMSNorm and the up-projection (7168 x 3584) added
+  to the shared output: every weight read whole;
+* ``sharded``: T rows; router and latent down whole; the shared experts' gate and up
+  row blocks (2 x 768 x 7168 at G = 8), the down-projection's and the up-projection's
+  column blocks (7168 x 768, 7168 x 448), read as views, as the pass emits them.
+
+The routed experts are not timed: in both layouts a rank runs its own experts on every
+row's pairs (the EP dispatch gathers all rows; the sharded layer has them), the same
+work. Collectives are not timed either (one GPU): the row shard has three per layer
+(EP dispatch all-gather, combine reduce-scatter, output all-gather), the sharded layer
+two all-reduces; ``kernels_and_limits.md`` 1.3 has their measured 2 x H200 latencies.
+Each layout is one function compiled by Inductor (``torch.compile``, same settings for
+both) and timed in a CUDA graph (``common.graph_time_us``); the floor is its weight
+bytes at 4.28 TB/s.
+
+    python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --json X
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Results, floor_us, graph_time_us  # noqa: E402
+
+from kimi_inductor.stock.config import KimiK3Config  # noqa: E402
+from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
+from kimi_inductor.stock.moe import router_logits, select_experts  # noqa: E402
+
+
+def rms_norm(y, weight, eps):
+    yf = y.float()
+    return (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype) * weight
+
+
+def layer(x, y, w, cfg, shared_cols=None, latent_cols=None):
+    """The MoE's non-expert work on rows x [R, H] with expert output y [R, L]; with
+    column blocks: this rank's partial output (``sharded_moe``'s form)."""
+    logits = router_logits(x, w["gate"])
+    weights, ids = select_experts(logits, w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize,
+                                  cfg.routed_scaling_factor)
+    z = x @ w["down"].t()
+    gu = w["gate_up"]
+    if shared_cols is None:
+        h = situ_and_mul(x @ gu.t(), cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        shared = h @ w["shared_down"].t()
+        return torch.addmm(shared, rms_norm(y, w["norm"], cfg.rms_norm_eps), w["up"].t()), z, weights, ids
+    a, b = shared_cols
+    D = gu.shape[0] // 2
+    h = situ_and_mul(torch.cat([x @ gu[a:b].t(), x @ gu[D + a:D + b].t()], 1), cfg.activation_situ_beta,
+                     cfg.activation_situ_linear_beta)
+    shared = h @ w["shared_down"][:, a:b].t()
+    la, lb = latent_cols
+    normed = rms_norm(y, w["norm"], cfg.rms_norm_eps)[:, la:lb]
+    return torch.addmm(shared, normed, w["up"][:, la:lb].t()), z, weights, ids
+
+
+def partial_sum_error(x, y, w, cfg, G) -> float:
+    """Largest row error of the G ranks' partial outputs summed (what the all-reduce
+    computes) against the unsharded layer on the same rows (both bf16)."""
+    D, L = w["gate_up"].shape[0] // 2 // G, w["up"].shape[1] // G
+    full = layer(x, y, w, cfg)[0].float()
+    summed = sum(layer(x, y, w, cfg, (r * D, (r + 1) * D), (r * L, (r + 1) * L))[0].float() for r in range(G))
+    return float(((summed - full).norm(dim=-1) / full.norm(dim=-1)).max())
+
+
+def main(argv=None) -> Results:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 32, 64])
+    p.add_argument("--ranks", type=int, default=8, help="G, the TP group")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    cfg = KimiK3Config.preset("kimi-k3")
+    H, L, E = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts
+    D = cfg.moe_intermediate_size * cfg.num_shared_experts
+    G = args.ranks
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def proj(n, k):
+        return (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16()
+
+    w = dict(gate=proj(E, H), bias=torch.randn(E, generator=gen, device="cuda") * 0.1, down=proj(L, H),
+             gate_up=proj(2 * D, H), shared_down=proj(H, D), up=proj(H, L),
+             norm=torch.ones(L, dtype=torch.bfloat16, device="cuda"))
+    whole = sum(t.numel() * t.element_size() for k, t in w.items() if k != "norm")
+    sharded_bytes = whole - (w["gate_up"].nbytes + w["shared_down"].nbytes + w["up"].nbytes) * (G - 1) // G
+    row_shard = torch.compile(lambda x, y: layer(x, y, w, cfg), dynamic=False)
+    r, Ds, Ls = 0, D // G, L // G
+    sharded = torch.compile(lambda x, y: layer(x, y, w, cfg, (r * Ds, (r + 1) * Ds), (r * Ls, (r + 1) * Ls)),
+                            dynamic=False)
+    res = Results("moe_sharding")
+    res.meta.update(ranks=G, hidden=H, latent=L, shared_width=D, router_experts=E,
+                    weight_bytes=dict(row_shard=whole, sharded=sharded_bytes))
+    for T in args.rows:
+        c = math.ceil(T / G)
+        xs = {n: torch.randn(n, H, generator=gen, device="cuda").bfloat16() for n in (c, T)}
+        ys = {n: torch.randn(n, L, generator=gen, device="cuda").bfloat16() for n in (c, T)}
+        with torch.no_grad():
+            t_row = graph_time_us(lambda i: row_shard(xs[c], ys[c]), calls=10, replays=5)
+            t_sh = graph_time_us(lambda i: sharded(xs[T], ys[T]), calls=10, replays=5)
+            err = partial_sum_error(xs[T], ys[T], w, cfg, G)
+        fl_row, fl_sh = floor_us(whole), floor_us(sharded_bytes)
+        res.add(rows=T, shard_rows=c, row_shard_us=t_row, sharded_us=t_sh, ratio=t_sh / t_row,
+                row_shard_floor_us=fl_row, sharded_floor_us=fl_sh, row_shard_x_floor=t_row / fl_row,
+                sharded_x_floor=t_sh / fl_sh, partial_sum_rel_err=err)
+    if args.json:
+        res.dump(args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Project the 93-layer Kimi K3 decode token at TP 8 / EP 8 from measured pieces (issue 19,
+item 2). CPU only: reads the committed H200 results, prints the arithmetic.
+
+Per rank and layer, at R rows (q = 1):
+
+    attention   KDA or MLA layer step (``kda_layer_q1_h200_v6``, ``mla_layer_h200_v2`` / ``_v1``)
+    AttnRes     2 fused calls (``attn_res_h200_v2``: the median over 1-7 saved blocks)
+    MoE         non-expert work: row shard or sharded_moe (``moe_sharding_h200_v1``)
+    experts     the slowest rank's experts: E[max over the 8 EP ranks of the distinct
+                experts R rows pick there] (uniform top-16 of 896, simulated) x our
+                grouped kernel's time per active expert at EP 8 shapes
+                (``moe_experts_h200_v1``, 112 local experts)
+    collectives NCCL in CUDA graphs, measured on 2 x H200 (kernels_and_limits.md 1.3;
+                TP 8 not measured): attention all-reduce + the MoE's (row shard: EP
+                dispatch all-gather, combine reduce-scatter, output all-gather; sharded:
+                two all-reduces)
+
+Token = 68 KDA + 24 MLA MoE layers + layer 0 (KDA, dense MLP at its TP 8 byte floor);
+the embedding, final norm and LM head are left out. ``row_shard`` is main before
+sharded_moe; ``sharded`` is main now.
+
+    python benchmarks/project_token.py [--json X]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
+COLLECTIVE_US = {1: 12.6, 8: 12.6, 64: 19.0}  # 2 x H200, rows of 7168 bf16 (all-reduce / -gather / RS mean)
+HBM = 4.28e12
+
+
+def _rows(name: str) -> list[dict]:
+    with open(os.path.join(RESULTS, name)) as fh:
+        return json.load(fh)["rows"]
+
+
+def _at(rows: list[dict], R: int, key: str, **match) -> float:
+    vals = [r[key] for r in rows if r.get("rows") == R and all(r.get(k) == v for k, v in match.items())]
+    if not vals:
+        raise KeyError(f"no {key} at {R} rows {match}")
+    return statistics.median(vals)
+
+
+def slowest_rank_experts(R: int, experts: int = 896, top_k: int = 16, ranks: int = 8, trials: int = 2000) -> float:
+    g = torch.Generator().manual_seed(0)
+    per = experts // ranks
+    most = [torch.bincount(torch.unique(torch.stack([torch.randperm(experts, generator=g)[:top_k]
+                                                     for _ in range(R)])) // per, minlength=ranks).max().item()
+            for _ in range(trials)]
+    return sum(most) / trials
+
+
+def project(R: int) -> dict:
+    kda = _at(_rows("kda_layer_q1_h200_v6.json"), R, "kimi_us", q=1)
+    try:
+        mla = _at(_rows("mla_layer_h200_v2.json"), R, "kimi_us", q=1)
+    except KeyError:
+        mla = _at(_rows("mla_layer_h200_v1.json"), R, "kimi_us", q=1)
+    attn_res = 2 * _at(_rows("attn_res_h200_v2.json"), R, "ours_us")
+    moe = {layout: _at(_rows("moe_sharding_h200_v1.json"), R, f"{layout}_us") for layout in ("row_shard", "sharded")}
+    ex = [r for r in _rows("moe_experts_h200_v1.json") if r["experts"] == 112 and r["rows"] == R]
+    per_expert = ex[0]["ours_us"] / ex[0]["active_experts"]
+    slowest = slowest_rank_experts(R)
+    experts = per_expert * slowest
+    coll = COLLECTIVE_US[R]
+    dense_mlp = 3 * 7168 * (18432 // 8) * 2 / HBM * 1e6  # layer 0's TP 8 dense MLP at its byte floor
+    out = dict(rows=R, kda_attention_us=kda, mla_attention_us=mla, attn_res_us=attn_res, experts_us=experts,
+               slowest_rank_experts=slowest, us_per_expert=per_expert, collective_us=coll)
+    for layout, moe_collectives in (("row_shard", 3), ("sharded", 2)):
+        moe_layer = attn_res + moe[layout] + experts + (1 + moe_collectives) * coll
+        token = 68 * (kda + moe_layer) + 24 * (mla + moe_layer) + kda + attn_res + dense_mlp + coll
+        out[layout] = dict(moe_nonexpert_us=moe[layout], kda_layer_us=kda + moe_layer, mla_layer_us=mla + moe_layer,
+                           token_ms=token / 1e3, tokens_per_s=1e6 / token)
+    out["speedup"] = out["row_shard"]["token_ms"] / out["sharded"]["token_ms"]
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    rows = [project(R) for R in args.rows]
+    for r in rows:
+        print(f"R={r['rows']:3d}: attention KDA {r['kda_attention_us']:.1f} / MLA {r['mla_attention_us']:.1f}, "
+              f"AttnRes {r['attn_res_us']:.1f}, experts {r['experts_us']:.1f} ({r['slowest_rank_experts']:.1f} on "
+              f"the slowest rank x {r['us_per_expert']:.1f}), collective {r['collective_us']:.1f} us")
+        for layout in ("row_shard", "sharded"):
+            v = r[layout]
+            print(f"    {layout:9s}: MoE non-expert {v['moe_nonexpert_us']:.1f}, KDA layer {v['kda_layer_us']:.1f}, "
+                  f"MLA layer {v['mla_layer_us']:.1f} us -> token {v['token_ms']:.2f} ms, "
+                  f"{v['tokens_per_s']:.1f} tokens/s per user")
+        print(f"    sharded vs row shard: {r['speedup']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"benchmark": "project_token", "rows": rows}, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

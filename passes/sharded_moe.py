@@ -1,0 +1,294 @@
+"""sharded_moe: at small batches, run each hybrid MoE layer on all rows with its shared
+experts and latent up-projection TP-sharded over the group.
+
+After hybrid_attention every rank holds all T rows, yet each MoE layer still runs on
+the rank's row shard (c = ceil(T / G) rows, padded) and reads its non-expert weights
+whole: at one row the shared experts (gate_up 2 D x H, down H x D) and the latent
+projections are most of a layer's bytes on every rank. Rewrites, per MoE layer of the
+hybrid graph (r = this rank, D = shared width, L = latent, s_r = columns [r D/G,
+(r+1) D/G) of the shared width, l_r = [r L/G, (r+1) L/G) of the latent):
+
+    before (hybrid, row shard)                  after (all rows, sharded)
+    x = pad(x_T)[rows of r]          [c]        x = x_T                             [T]
+    router, z = x W_down^T           [c]        the same ops on [T]
+    y = experts(z, ids, pad_c)       [c]        y = bf16(all_reduce(expert_ffn(z,    [T]
+        (EP exchange: all-gather                   ids - first (-1 on padding rows))))
+         dispatch, combine)                        (local experts on every row, fp32 sum)
+    g, u = (x W_gu^T)[:, :D], [:, D:]           g = x W_gu[s_r]^T, u = x W_gu[D + s_r]^T
+    s = SiTU(g, u) W_d^T                        s = SiTU(g, u) W_d[:, s_r]^T        (partial)
+    o = s + norm(y) W_up^T           [c]        o = s + norm(y)[:, l_r] W_up[:, l_r]^T (partial)
+    out = all_gather(o)[:T]          [T]        out = all_reduce(o)                  [T]
+
+Collectives per layer: two all-reduces (fp32 [T, L], bf16 [T, H]) in place of the EP
+dispatch, the combine and the all-gather. Per-rank non-expert bytes: router + latent
+down + (shared + latent up) / G. The latent down-projection stays replicated: sharding
+it needs an all-gather of z before the experts, and at G = 8 the 7/8 of its bytes saved
+(45 MB at K3, 10.4 us at 4.28 TB/s) is less than one measured small-message NCCL
+collective (12.0 us, ``kernels_and_limits.md`` 1.3).
+
+Chosen by row count: T <= ``decode.sharded_moe_rows`` (default 64). Both layouts split
+the FLOPs by G; the sharded layer reads 1/G of the shared and up-projection bytes and has
+one collective less. Measured on the H200 at K3 shapes, G = 8 (``benchmarks/
+moe_sharding.py``): its non-expert work takes 0.54-0.62 of the row shard's at 1-128 rows;
+beyond the measured decode sizes the layer keeps the row shard.
+On SM100 the row shard stays when DeepGEMM MegaMoE runs its experts (the fused exchange
+is MegaMoE's point; not measured against this layout).
+
+Why it is exact: the router, latent down-projection, norm, shared MLP and the tail GEMM
+are row-local (``row_local`` proves it; the experts op is row-local in its latent,
+weights and ids), so on all rows they compute what the ranks computed on their shards;
+the routed experts on every row with the rank's local experts, fp32-summed over the
+ranks, are the EP op's own arithmetic (stock's ``ep_experts`` sums fp32 partials the same
+way); a GEMM over a column block of the shared width or the latent is a partial sum the
+all-reduce completes (bf16 partials, as stock's TP layout sums its shared expert).
+Padding rows are routed nowhere (expert id -1), as before.
+
+Invariants. Relies on: the hybrid graph (``DecoderGraph.hybrid``), a static T, valid
+``meta["val"]``. Establishes: every MoE layer it rewrites reads and writes T rows,
+identical on every rank; no all-gather remains in it; weight slices are views (row
+blocks, or column blocks that the GEMM reads with their leading dimension, which
+``lower_kernels`` leaves to cuBLAS). A layer that does not match keeps the row shard
+and the report says why.
+
+Order: after mega_moe (it replaces mega_moe's exchange by the all-rows form), before
+lower_kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from kimi_inductor.kernels import expert_ffn
+from kimi_inductor.kernels import mega_moe as mega_moe_kernel
+
+from . import collectives, row_local
+from .decoder import DecoderGraph, Layer
+from .decoder import _between
+from .graph import OpCall, ancestors
+from .lower_kernels import match_gemm
+from .mega_moe import MegaMoE
+from .report import PassInfo
+
+aten, prims = torch.ops.aten, torch.ops.prims
+kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
+
+EP_OPS = (kimi.ep_experts.default, kk.mega_moe.default)
+
+
+class ShardedMoE:
+    name = "sharded_moe"
+
+    def __call__(self, gm: fx.GraphModule, ctx) -> PassInfo:
+        info = PassInfo(self.name)
+        dg: DecoderGraph = ctx.decoder
+        moe_layers = [l for l in dg.layers if l.moe is not None]
+        why = _refusal(dg, ctx.options.decode.sharded_moe_rows) if moe_layers else ""
+        for layer in moe_layers:
+            info.matched += 1
+            plan = None if why else _match(layer)
+            reason = why or (plan if isinstance(plan, str) else "")
+            if reason:
+                if reason not in info.skipped:
+                    info.skipped.append(reason)
+                ctx.note(layer.index, self.name, "moe_layout", f"row shard kept: {reason}", rewritten=False)
+                continue
+            _rewrite(gm.graph, dg, layer, plan)
+            info.rewritten += 1
+            ctx.note(layer.index, self.name, "moe_layout", plan.summary, rewritten=True)
+            impl, because = expert_ffn.implementation(plan.x.meta["val"].device)
+            ctx.note(layer.index, MegaMoE.name, "moe", f"expert_ffn: the rank's local experts on every row (the EP "
+                     f"exchange replaced by sharded_moe); {'MXFP4' if plan.mxfp4 else 'bf16'} experts; {impl}: "
+                     f"{because}", rewritten=True)
+        return info
+
+
+def _refusal(dg: DecoderGraph, max_rows: int) -> str:
+    if not dg.hybrid:
+        return "not the hybrid step (hybrid_attention did not rewrite this graph)"
+    rows = dg.tokens
+    if not isinstance(rows, int):
+        return "symbolic rows: the layout is chosen by row count"
+    if rows > max_rows:
+        return f"{rows} rows > decode.sharded_moe_rows = {max_rows}"
+    return ""
+
+
+class _Plan:
+    """What ``_match`` found in one hybrid MoE layer."""
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(kw)
+
+
+def _match(layer: Layer) -> "_Plan | str":
+    """The layer's pieces, or why it keeps the row shard."""
+    E = OpCall.of(layer.moe.node)
+    if E is None or E.op not in EP_OPS:
+        return (f"{layer.moe.spelling} MoE op {layer.moe.node.target}: only the expert-parallel experts "
+                "op is taken (an opaque MoE layer op holds its shared experts and projections inside)")
+    shard, full = layer.mlp_in, layer.mlp_out
+    if shard.target is not aten.slice.Tensor or shard.args[1] != 0:
+        return "the MoE input is not the hybrid step's row shard"
+    x = shard.args[0]
+    if x.target is aten.constant_pad_nd.default:
+        x = x.args[0]
+    gather = collectives.sp_gather(full)
+    if gather is None:
+        return "the MoE output is not all-gathered"
+    pre = gather.input
+    tail = match_gemm(pre)
+    if tail is None or tail[2] is None:
+        return "the MoE output is not shared + norm(y) W_up^T (one addmm)"
+    normed, w_up, acc, _ = tail
+    shared = match_gemm(acc)
+    if shared is None or shared[2] is not None:
+        return "the shared experts do not end in a plain down-projection GEMM"
+    h, w_down_shared = shared[0], shared[1]
+    region = layer.mlp_nodes - set(gather.nodes) - {full}
+    found = [(n, halves) for n in ancestors(h) & region if (m := match_gemm(n)) is not None and m[0] is shard
+             and m[2] is None and (halves := _halves(n)) is not None]
+    if len(found) != 1:
+        return "the shared experts do not start with one gate_up GEMM read as two column halves"
+    gu, halves = found[0]
+    gate_up = match_gemm(gu)
+    if not _elementwise(set(halves), h):
+        return "the shared experts' activation is not elementwise in the gate and up halves"
+    if E.node not in ancestors(normed) & region:
+        return "the tail GEMM does not read the routed experts' output"
+    latent = match_gemm(E.arg("latent"))
+    if latent is None or latent[0] is not shard:
+        return "the latent down-projection does not read the row shard"
+    if E.op is kk.mega_moe.default:  # mega_moe's where(pad, 0 / -1, .): take the router's values
+        weights, ids = E.arg("topk_weights").args[2], E.arg("topk_ids").args[2]
+        pad = E.arg("topk_ids").args[0]  # unsqueeze(mask, 1), read by both where's
+        mask = pad.args[0]
+        impl = mega_moe_kernel.implementation(x.meta["val"].device, 0, 0)[0]
+        if impl == "deepgemm":
+            return "DeepGEMM MegaMoE runs these experts (SM100): its fused exchange is kept"
+    else:
+        weights, ids, mask = E.arg("topk_weights"), E.arg("topk_ids"), E.arg("is_padding")
+        pad = mask
+    mask_all = _rows_of(mask, x.meta["val"].shape[0])
+    if mask_all is None:
+        return "the padding mask is not a slice of the step's padding mask"
+    group = E.arg("group_name")
+    pg = dist.distributed_c10d._resolve_process_group(group)
+    G, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    D, L = gu.meta["val"].shape[1] // 2, normed.meta["val"].shape[1]
+    if D % G or L % G:
+        return f"shared width {D} or latent {L} does not split over {G} ranks"
+    why = row_local.reason(region, shard, sink=gather.nodes[-1], also=(pad,))
+    if why:
+        return f"not proven row-local: {why}"
+    summary = (f"all {x.meta['val'].shape[0]} rows on every rank: shared experts and latent up-projection "
+               f"TP-sharded (1/{G} of their weights), router and latent down replicated; routed experts "
+               f"summed over the ranks (fp32 all-reduce); one all-reduce in place of the all-gather")
+    return _Plan(E=E, shard=shard, x=x, full=full, gather=gather, pre=pre, normed=normed, w_up=w_up,
+                 h=h, w_down_shared=w_down_shared, gu=gu, halves=halves, w_gu=gate_up[1], weights=weights,
+                 ids=ids, pad=pad, mask_all=mask_all, mxfp4=E.arg("w13_scale") is not None, region=region, G=G, rank=rank, D=D, L=L, summary=summary)
+
+
+def _halves(gu: fx.Node) -> list[fx.Node] | None:
+    """[gate, up] when ``gu`` [T, 2 D] is read only as its column halves [:, :D], [:, D:]."""
+    width = gu.meta["val"].shape[1]
+    users = sorted(gu.users, key=lambda u: u.args[2] if u.target is aten.slice.Tensor else -1)
+    if len(users) != 2 or any(u.target is not aten.slice.Tensor or u.args[1] != 1 for u in users):
+        return None
+    (g0, g1), (u0, u1) = (users[0].args[2:4], users[1].args[2:4])
+    return users if 2 * g1 == width and g0 == 0 and u0 == g1 and u1 >= width else None
+
+
+def _elementwise(halves: set[fx.Node], h: fx.Node) -> bool:
+    """Whether ``h`` is computed from ``halves`` by elementwise ops only (so column j of h
+    reads column j of each half: a column block of the width is computed alone)."""
+    nodes = set().union(*(_between(half, h) for half in halves)) - halves
+    for n in nodes:
+        if n.target is not prims.convert_element_type.default and not (
+                isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags):
+            return False
+        if any(a not in nodes | halves and a.meta["val"].dim() > 0 for a in n.all_input_nodes):
+            return False
+    return True
+
+
+def _rows_of(mask: Any, rows: int) -> fx.Node | None:
+    """The T-row padding mask that the row-shard mask ``mask`` was sliced (and padded) from."""
+    node = mask
+    while isinstance(node, fx.Node) and (node.target is aten.constant_pad_nd.default or
+                                         (node.target is aten.slice.Tensor and node.args[1] == 0)):
+        node = node.args[0]
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return node if node is not mask and val is not None and val.dim() == 1 and val.shape[0] == rows else None
+
+
+def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: _Plan) -> None:
+    rows = p.x.meta["val"].shape[0]
+    row_local.set_rows(p.region, p.shard, rows, also=(p.pad,))
+    for user in list(p.shard.users):
+        if user in p.region:
+            user.replace_input_with(p.shard, p.x)
+    like = layer.reduce  # the attention's all-reduce: its spelling and group
+
+    def block(w: fx.Node, dim: int, start: int, size: int) -> fx.Node:
+        return g.call_function(aten.permute.default, (g.call_function(
+            aten.slice.Tensor, (w, dim, start, start + size)), [1, 0]))
+
+    # routed experts: this rank's experts on every row, summed over the ranks in fp32
+    E, first = p.E, p.E.arg("first_expert")
+    scales = () if E.arg("w13_scale") is None else (E.arg("w13_scale"), E.arg("w2_scale"))
+    with g.inserting_before(E.node):
+        pad = g.call_function(aten.unsqueeze.default, (p.mask_all, 1))
+        local = g.call_function(aten.sub.Tensor, (p.ids, first)) if first else p.ids
+        ids_val = p.ids.meta["val"]
+        minus = g.call_function(aten.full.default, ([], -1), dict(dtype=ids_val.dtype, layout=torch.strided,
+                                                                   device=ids_val.device, pin_memory=False))
+        ids = g.call_function(aten.where.self, (pad, minus, local))
+        partial = g.call_function(kk.expert_ffn.default, (
+            E.arg("latent"), p.weights, ids, E.arg("w13"), E.arg("w2"), E.arg("beta"), E.arg("linear_beta"),
+            *scales))
+    summed = collectives.emit_all_reduce(g, partial, partial, like)
+    with g.inserting_after(summed):
+        routed = g.call_function(prims.convert_element_type.default, (summed, E.node.meta["val"].dtype))
+    E.node.replace_all_uses_with(routed)
+    dead = E.node.all_input_nodes
+    g.erase_node(E.node)
+    dg.replaced(E.node, partial)
+
+    # shared experts and latent up-projection: this rank's column blocks, partial sums
+    D, L, r = p.D // p.G, p.L // p.G, p.rank
+    with g.inserting_before(p.gu):
+        gate = g.call_function(aten.mm.default, (p.x, block(p.w_gu, 0, r * D, D)))
+        up = g.call_function(aten.mm.default, (p.x, block(p.w_gu, 0, p.D + r * D, D)))
+    for half, new in zip(p.halves, (gate, up)):
+        half.replace_all_uses_with(new)
+    with g.inserting_before(p.pre):
+        shared = g.call_function(aten.mm.default, (p.h, block(p.w_down_shared, 1, r * D, D)))
+        normed = g.call_function(aten.slice.Tensor, (p.normed, 1, r * L, (r + 1) * L))
+        partial_out = g.call_function(aten.addmm.default, (shared, normed, block(p.w_up, 1, r * L, L)))
+    out = collectives.emit_all_reduce(g, partial_out, partial_out, like)
+    p.full.replace_all_uses_with(out)
+    layer.next_res.set_arg("delta", out)
+    layer.mlp_in, layer.mlp_out = p.x, out
+    _erase_dead(g, [*dead, *p.gather.nodes, p.pre, *p.halves, p.gu, p.shard])
+
+
+def _erase_dead(g: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` once nothing reads them, then their producers that nothing reads
+    any more (weights' views, the shard's pad, the EP op's masked routing), never a
+    graph input."""
+    pending = [n for n in dict.fromkeys(nodes) if n.op == "call_function"]
+    changed = True
+    while changed:
+        changed = False
+        for n in list(pending):
+            if n.users:
+                continue
+            pending.remove(n)
+            inputs = n.all_input_nodes
+            g.erase_node(n)
+            pending += [i for i in inputs if i.op == "call_function" and i not in pending]
+            changed = True
