@@ -19,7 +19,10 @@ Token = 68 KDA + 24 MLA MoE layers + layer 0 (KDA, dense MLP at its TP 8 byte fl
 the embedding, final norm and LM head are left out. ``row_shard`` is main before
 sharded_moe; ``sharded`` is main now.
 
-    python benchmarks/project_token.py [--json X]
+    python benchmarks/project_token.py [--json X] [--plot PNG]
+
+``--plot``: where a KDA MoE layer's time goes (attention, AttnRes, MoE non-expert,
+experts, collectives) per row count, row shard beside sharded.
 """
 
 from __future__ import annotations
@@ -76,18 +79,46 @@ def project(R: int) -> dict:
     for layout, moe_collectives in (("row_shard", 3), ("sharded", 2)):
         moe_layer = attn_res + moe[layout] + experts + (1 + moe_collectives) * coll
         token = 68 * (kda + moe_layer) + 24 * (mla + moe_layer) + kda + attn_res + dense_mlp + coll
-        out[layout] = dict(moe_nonexpert_us=moe[layout], kda_layer_us=kda + moe_layer, mla_layer_us=mla + moe_layer,
+        out[layout] = dict(moe_nonexpert_us=moe[layout], collectives_us=(1 + moe_collectives) * coll,
+                           kda_layer_us=kda + moe_layer, mla_layer_us=mla + moe_layer,
                            token_ms=token / 1e3, tokens_per_s=1e6 / token)
     out["speedup"] = out["row_shard"]["token_ms"] / out["sharded"]["token_ms"]
     return out
+
+
+def plot(rows: list[dict], png: str) -> None:
+    """Stacked bars: a KDA MoE layer's projected time by part, per row count and layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = (("attention", lambda r, v: r["kda_attention_us"]), ("AttnRes", lambda r, v: r["attn_res_us"]),
+             ("MoE non-expert", lambda r, v: v["moe_nonexpert_us"]), ("routed experts", lambda r, v: r["experts_us"]),
+             ("collectives", lambda r, v: v["collectives_us"]))
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 4))
+    for ax, r in zip(axes, rows):
+        bottom = [0.0, 0.0]
+        for name, get in parts:
+            vals = [get(r, r[layout]) for layout in ("row_shard", "sharded")]
+            ax.bar(["row shard", "sharded"], vals, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set(title=f"{r['rows']} row{'s' if r['rows'] > 1 else ''}", ylabel="us per KDA MoE layer (projected)")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle("Kimi K3 TP 8 / EP 8, one rank, from measured H200 pieces (2-GPU collective latency)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--json")
+    p.add_argument("--plot", help="write the per-layer breakdown plot here")
     args = p.parse_args(argv)
     rows = [project(R) for R in args.rows]
+    if args.plot:
+        plot(rows, args.plot)
     for r in rows:
         print(f"R={r['rows']:3d}: attention KDA {r['kda_attention_us']:.1f} / MLA {r['mla_attention_us']:.1f}, "
               f"AttnRes {r['attn_res_us']:.1f}, experts {r['experts_us']:.1f} ({r['slowest_rank_experts']:.1f} on "
