@@ -149,7 +149,7 @@ def _match(layer: Layer) -> "_Plan | str":
         return "the shared experts do not end in a plain down-projection GEMM"
     h, w_down_shared = shared[0], shared[1]
     region = layer.mlp_nodes - set(gather.nodes) - {full}
-    found = [(n, halves) for n in ancestors(h) & region if (m := match_gemm(n)) is not None and m[0] is shard
+    found = [(n, halves) for n in ancestors(h, {shard}) & region if (m := match_gemm(n)) is not None and m[0] is shard
              and m[2] is None and (halves := _halves(n)) is not None]
     if len(found) != 1:
         return "the shared experts do not start with one gate_up GEMM read as two column halves"
@@ -157,7 +157,7 @@ def _match(layer: Layer) -> "_Plan | str":
     gate_up = match_gemm(gu)
     if not _elementwise(set(halves), h):
         return "the shared experts' activation is not elementwise in the gate and up halves"
-    if E.node not in ancestors(normed) & region:
+    if E.node not in ancestors(normed, {shard}):
         return "the tail GEMM does not read the routed experts' output"
     latent = match_gemm(E.arg("latent"))
     if latent is None or latent[0] is not shard:
