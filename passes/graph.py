@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
@@ -182,6 +182,23 @@ def ancestors(node: fx.Node, stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
                 seen.add(arg)
                 todo.append(arg)
     return seen
+
+
+def erase_unused(g: fx.Graph, nodes: list[fx.Node], follow: Callable[[fx.Node], bool] = lambda n: True) -> None:
+    """Erase each of ``nodes`` once nothing reads it, then, transitively, the producers of
+    an erased node that ``follow`` accepts and nothing reads any more (never a graph input)."""
+    pending = [n for n in dict.fromkeys(nodes) if n.graph is g and n.op == "call_function"]
+    changed = True
+    while changed:
+        changed = False
+        for n in list(pending):
+            if n.users:
+                continue
+            pending.remove(n)
+            inputs = n.all_input_nodes
+            g.erase_node(n)
+            pending += [i for i in inputs if i.op == "call_function" and i not in pending and follow(i)]
+            changed = True
 
 
 class MetaUpdater:

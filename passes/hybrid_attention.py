@@ -50,6 +50,7 @@ from torch import fx
 from . import row_local
 from .collectives import Collective, emit_all_reduce, emit_sp_gather
 from .decoder import DecoderGraph, Entry, Layer
+from .graph import erase_unused
 from .report import PassInfo
 from .roles import resize_rows
 
@@ -138,7 +139,7 @@ def _rewrite(g: fx.Graph, dg: DecoderGraph, on_shard: dict[int, str]) -> None:
     dead += dg.exit_gather.nodes
     if entry.pad is not None and entry.embedding.users:
         dead += [u for u in entry.embedding.users if u.target is aten.constant_pad_nd.default]
-    _erase_unused(g, dead)
+    erase_unused(g, dead, follow=lambda n: n.target in (aten.constant_pad_nd.default, aten.slice.Tensor))
     g.lint()
     dg.bank, dg.entry, dg.exit_gather, dg.hybrid = new_bank, None, None, True
 
@@ -157,18 +158,3 @@ def _on_shard(g: fx.Graph, layer: Layer, entry: Entry, rows: Any, like: Collecti
     full = emit_sp_gather(g, layer.mlp_out, layer.mlp_out, rows, like)
     layer.next_res.set_arg("delta", full)
     layer.mlp_in, layer.mlp_out = shard, full
-
-
-def _erase_unused(g: fx.Graph, nodes: list[fx.Node]) -> None:
-    pending = [n for n in dict.fromkeys(nodes) if n.graph is g]
-    changed = True
-    while changed:
-        changed = False
-        for n in list(pending):
-            if not n.users:
-                inputs = n.all_input_nodes
-                g.erase_node(n)
-                pending.remove(n)
-                pending += [i for i in inputs if i.op == "call_function" and not i.users and i not in pending
-                            and i.target in (aten.constant_pad_nd.default, aten.slice.Tensor)]
-                changed = True

@@ -56,6 +56,7 @@ lower_kernels.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -66,11 +67,10 @@ from kimi_inductor.kernels import expert_ffn
 from kimi_inductor.kernels import mega_moe as mega_moe_kernel
 
 from . import collectives, row_local
-from .decoder import DecoderGraph, Layer
-from .decoder import _between
-from .graph import OpCall, ancestors
+from .decoder import DecoderGraph, Layer, _between
+from .graph import OpCall, ancestors, erase_unused
 from .lower_kernels import match_gemm
-from .mega_moe import MegaMoE
+from .mega_moe import MegaMoE, _fill_rows
 from .report import PassInfo
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -117,15 +117,8 @@ def _refusal(dg: DecoderGraph, max_rows: int) -> str:
     return ""
 
 
-class _Plan:
-    """What ``_match`` found in one hybrid MoE layer."""
-
-    def __init__(self, **kw: Any):
-        self.__dict__.update(kw)
-
-
-def _match(layer: Layer) -> "_Plan | str":
-    """The layer's pieces, or why it keeps the row shard."""
+def _match(layer: Layer) -> "SimpleNamespace | str":
+    """The layer's pieces (a namespace), or why it keeps the row shard."""
     E = OpCall.of(layer.moe.node)
     if E is None or E.op not in EP_OPS:
         return (f"{layer.moe.spelling} MoE op {layer.moe.node.target}: only the expert-parallel experts "
@@ -187,7 +180,7 @@ def _match(layer: Layer) -> "_Plan | str":
     summary = (f"all {x.meta['val'].shape[0]} rows on every rank: shared experts and latent up-projection "
                f"TP-sharded (1/{G} of their weights), router and latent down replicated; routed experts "
                f"summed over the ranks (fp32 all-reduce); one all-reduce in place of the all-gather")
-    return _Plan(E=E, shard=shard, x=x, full=full, gather=gather, pre=pre, normed=normed, w_up=w_up,
+    return SimpleNamespace(E=E, shard=shard, x=x, full=full, gather=gather, pre=pre, normed=normed, w_up=w_up,
                  h=h, w_down_shared=w_down_shared, gu=gu, halves=halves, w_gu=gate_up[1], weights=weights,
                  ids=ids, pad=pad, mask_all=mask_all, mxfp4=E.arg("w13_scale") is not None, region=region, G=G, rank=rank, D=D, L=L, summary=summary)
 
@@ -225,7 +218,7 @@ def _rows_of(mask: Any, rows: int) -> fx.Node | None:
     return node if node is not mask and val is not None and val.dim() == 1 and val.shape[0] == rows else None
 
 
-def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: _Plan) -> None:
+def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) -> None:
     rows = p.x.meta["val"].shape[0]
     row_local.set_rows(p.region, p.shard, rows, also=(p.pad,))
     for user in list(p.shard.users):
@@ -243,10 +236,8 @@ def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: _Plan) -> None:
     with g.inserting_before(E.node):
         pad = g.call_function(aten.unsqueeze.default, (p.mask_all, 1))
         local = g.call_function(aten.sub.Tensor, (p.ids, first)) if first else p.ids
-        ids_val = p.ids.meta["val"]
-        minus = g.call_function(aten.full.default, ([], -1), dict(dtype=ids_val.dtype, layout=torch.strided,
-                                                                   device=ids_val.device, pin_memory=False))
-        ids = g.call_function(aten.where.self, (pad, minus, local))
+        local.meta.setdefault("val", p.ids.meta["val"])  # _fill_rows reads the dtype and device
+        ids = _fill_rows(g, local, pad, -1)
         partial = g.call_function(kk.expert_ffn.default, (
             E.arg("latent"), p.weights, ids, E.arg("w13"), E.arg("w2"), E.arg("beta"), E.arg("linear_beta"),
             *scales))
@@ -273,22 +264,4 @@ def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: _Plan) -> None:
     p.full.replace_all_uses_with(out)
     layer.next_res.set_arg("delta", out)
     layer.mlp_in, layer.mlp_out = p.x, out
-    _erase_dead(g, [*dead, *p.gather.nodes, p.pre, *p.halves, p.gu, p.shard])
-
-
-def _erase_dead(g: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Erase ``nodes`` once nothing reads them, then their producers that nothing reads
-    any more (weights' views, the shard's pad, the EP op's masked routing), never a
-    graph input."""
-    pending = [n for n in dict.fromkeys(nodes) if n.op == "call_function"]
-    changed = True
-    while changed:
-        changed = False
-        for n in list(pending):
-            if n.users:
-                continue
-            pending.remove(n)
-            inputs = n.all_input_nodes
-            g.erase_node(n)
-            pending += [i for i in inputs if i.op == "call_function" and i not in pending]
-            changed = True
+    erase_unused(g, [*dead, *p.gather.nodes, p.pre, *p.halves, p.gu, p.shard])
