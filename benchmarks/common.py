@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from kimi_inductor.kernels.skinny_gemm import cute_available
+
 HBM = 4.28e12  # bytes/s, device-to-device copy on H200 (kernels_and_limits.md)
 
 
@@ -56,7 +58,10 @@ class Results:
         self.name, self.rows, self.meta = name, [], {
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cute_dsl": cute_available() or "available",  # the skinny GEMMs fall back to cuBLAS without it
         }
+        if torch.cuda.is_available() and self.meta["cute_dsl"] != "available":
+            print(f"note: {self.meta['cute_dsl']}; kimi_specialized's skinny GEMMs run on cuBLAS", flush=True)
 
     def add(self, echo: bool = True, **row: Any) -> None:
         self.rows.append(row)
@@ -92,12 +97,15 @@ def run_on_gpus(fn: Callable, gpus: int, args: tuple, json_path: str) -> None:
 
 
 def require_rewritten(backend, what: str) -> None:
-    """Stop a timing run whose kimi_specialized graph was left unchanged: the passes
-    rewrite whole Kimi K3 decoder graphs only (issue 15, item 3), and a lone layer is not
-    one, so its "kimi" column would silently be stock."""
-    if not backend.report.decoder:
-        raise SystemExit(f"{what}: kimi_specialized left the graph unchanged ({backend.report.reason}); "
-                         "time the layer inside a decoder step instead (issue 19's bench --step)")
+    """Stop a timing run whose kimi_specialized graph was left unchanged (its "kimi"
+    column would silently be stock): a lone attention layer is a layer fragment that
+    lower_kernels rewrites; a lone MoE layer or a TP layer with its collectives is not
+    (the passes that take those need the whole decoder)."""
+    report = backend.report
+    lowered = sum(p.rewritten for p in report.passes)
+    if not (report.decoder or report.fragment) or not lowered:
+        raise SystemExit(f"{what}: kimi_specialized left the graph unchanged ({report.reason or 'nothing matched'}); "
+                         "time the layer inside a decoder step instead (benchmarks/decode_step.py)")
 
 
 def vllm_kernel_module(root: str, relpath: str):

@@ -14,6 +14,10 @@ timed inside CUDA graphs (``common.graph_time_us``, the same step replayed):
   picked, per MoE layer), the KDA states read and written, the MLA latent cache rows
   read, at 4.28 TB/s.
 
+For ``kimi`` the JSON also has ``kimi_breakdown_us``: its kernel time per part of the
+model (attention, AttnRes, MoE non-expert, experts, ...; ``step_breakdown.py``, which
+also draws the plot).
+
 Compile time: the first call of each variant (``compile_s``, cold in a fresh process)
 and again after ``torch._dynamo.reset()`` (``recompile_s``, Inductor's caches warm).
 
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import step_breakdown  # noqa: E402
 from common import Results, floor_us, graph_time_us  # noqa: E402
 from k3_rank import checkpoint, fill_caches, per_rank_config, smoke_config  # noqa: E402
 from moe_layer import _dense_fused, stock_inductor_with  # noqa: E402
@@ -136,6 +141,11 @@ def main(argv=None) -> Results:
                     scratch = [tuple(t.clone() for t in c) for c in caches]
                     with torch.no_grad():
                         row[f"{name}_us"] = graph_time_us(lambda i: fn(step, scratch), calls=5, replays=5)
+                        if name == "kimi":
+                            layers = [(layer.kind, layer.mlp) for layer in backend.report.layers]
+                            parts = step_breakdown.breakdown(
+                                step_breakdown.profile_kernels(lambda: fn(step, scratch), calls=3), layers, 3)
+                            row.update(kimi_breakdown_us=parts, kimi_kernel_us=sum(parts.values()))
                     del scratch
             ref = outs["inductor"]
             row["rel_err"] = float(((outs["kimi"] - ref).norm(dim=-1) / ref.norm(dim=-1)).max())

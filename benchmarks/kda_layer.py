@@ -1,9 +1,16 @@
 """One KDA layer decode step at TP8 per-rank shapes (12 heads x 128, hidden 7168):
 kimi_specialized (lowered kernels) vs stock compiled by Inductor vs the byte floor,
 each inside CUDA graphs. The step is in_proj -> f_b -> conv/gates/delta rule/norm ->
-o_proj partial (no AttnRes, no all-reduce), as the reference KDA measurement.
+o_proj partial (no AttnRes, no all-reduce), as the reference KDA measurement. A lone
+layer is a layer fragment: kimi_specialized lowers it (lower_kernels only).
 
-    python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4]
+``--vllm ROOT`` (vLLM 0.33.0's wheel unpacked there; q = 1) adds the stock vLLM chain of
+the same step as its SM90 Triton path runs it, in the same CUDA graphs: cuBLAS in_proj,
+vLLM's decode core (``kda_kernel.vllm_core``: f_b GEMM, its Triton conv update, packed
+recurrent decode, gated norm) and cuBLAS o_proj. vLLM's native ``_C.fused_kda_decode``
+(its CUDA build, torch 2.14) cannot run on this image.
+
+    python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4] [--vllm ROOT]
     python benchmarks/kda_layer.py --smoke          # CPU, tiny shapes: checks the script runs
 """
 
@@ -19,6 +26,8 @@ from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
+
+from kda_kernel import vllm_core  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
@@ -54,12 +63,31 @@ def state_bytes(requests: int, q: int, heads: int, d: int, conv_rows: int) -> fl
     return rec + conv
 
 
+def vllm_chain(root: str, layer: KimiDeltaAttention):
+    """(params, x, slots, conv, rec) -> the layer's o_proj partial [T, hidden] through
+    vLLM's kernels, q = 1 (``slots`` [T, 1]; the caches updated in place)."""
+    core = vllm_core(root)
+    P, D, H = layer.local_size, layer.head_dim, layer.local_heads
+    split = [3 * P, P, D, H, layer.in_proj_padding]
+
+    def step(params, x, slots, conv, rec):
+        mixed, g2, f_a, beta, _ = (x @ params["in_proj_qkvgfab.weight"].t()).split(split, dim=-1)
+        o = core(dict(mixed_qkv=mixed, g2=g2, f_a=f_a, beta=beta, f_b_weight=params["f_b_proj.weight"],
+                      conv_weight=params["conv1d.weight"], A_log=params["A_log"], dt_bias=params["dt_bias"],
+                      norm_weight=params["o_norm.weight"], conv_state=conv, recurrent_state=rec, state_slots=slots,
+                      lower_bound=layer.lower_bound, norm_eps=layer.eps))
+        return o.reshape(x.shape[0], P) @ params["o_proj.weight"].t()
+
+    return step
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--q", type=int, nargs="+", default=[1, 4])
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
+    p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its chain too (q = 1)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -67,6 +95,7 @@ def main(argv=None) -> Results:
     layer = KimiDeltaAttention(layer_config(heads, d, hidden), Parallel(), device="meta")
     gen = torch.Generator().manual_seed(0)
     copies = [random_params(layer, gen, device) for _ in range(1 if args.smoke else args.copies)]
+    vllm = args.vllm and vllm_chain(args.vllm, layer)
     weight_bytes = sum(t.numel() * t.element_size() for t in copies[0].values())
 
     def step(params, x, slots, accepted, conv, rec):
@@ -97,17 +126,26 @@ def main(argv=None) -> Results:
             err = float((got - want).abs().max() / want.abs().max())
             state_err = float((r1 - r2).abs().max())
             compile_s = time.perf_counter() - start
+            require_rewritten(backend, "kda_layer")
             if args.smoke:
                 res.add(q=q, rows=rows, rel_err=err, state_err=state_err)
                 continue
-            require_rewritten(backend, "kda_layer")
             n = len(copies)
             t_stock = graph_time_us(lambda i: stock(copies[i % n], x, slots, accepted, conv, rec))
             t_kimi = graph_time_us(lambda i: kimi(copies[i % n], x, slots, accepted, conv, rec))
             nbytes = weight_bytes + state_bytes(R, q, heads, d, conv_shape[1]) + 2 * rows * hidden * 2
             fl = floor_us(nbytes)
-            res.add(q=q, rows=rows, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi, kimi_x_floor=t_kimi / fl,
-                    speedup=t_stock / t_kimi, rel_err=err, state_err=state_err, compile_s=compile_s)
+            row = dict(q=q, rows=rows, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi, kimi_x_floor=t_kimi / fl,
+                       speedup=t_stock / t_kimi, rel_err=err, state_err=state_err, compile_s=compile_s)
+            if vllm and q == 1:
+                c3, r3 = conv.clone(), rec.clone()
+                c1, r1 = conv.clone(), rec.clone()
+                want = stock(copies[0], x, slots, accepted, c1, r1).float()
+                got = vllm(copies[0], x, slots, c3, r3).float()
+                row["vllm_rel_err"] = float((got - want).abs().max() / want.abs().max())
+                row["vllm_us"] = graph_time_us(lambda i: vllm(copies[i % n], x, slots, conv, rec))
+                row["vllm_over_kimi"] = row["vllm_us"] / t_kimi
+            res.add(**row)
     if args.json:
         res.dump(args.json)
     return res

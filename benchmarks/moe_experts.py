@@ -19,6 +19,7 @@ group's 8 c rows that hit its experts, i.e. as many as c rows with 16 local expe
 each); ``--experts 896`` is EP 1.
 
     python benchmarks/moe_experts.py --experts 112 896 --rows 1 8 32 64 --json moe_experts.json [--mxfp4]
+    python benchmarks/moe_experts.py --experts 64 --rows 8 32 64 128 --bm 16 32 64 --skew 1  # BM rule
     python benchmarks/moe_experts.py --smoke     # CPU, tiny shapes: checks the script runs
     python benchmarks/moe_experts.py --plot moe_experts.json moe_experts.png
 """
@@ -54,8 +55,14 @@ def dequant_dense(latent, weights, ids, q13, q2, s13, s2):
     return dense_experts(latent, weights, ids, dequantize_experts(q13, s13), dequantize_experts(q2, s2))
 
 
-def routing(rows: int, experts: int, top_k: int, gen: torch.Generator, device):
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)]).int()
+def routing(rows: int, experts: int, top_k: int, gen: torch.Generator, device, skew: float = 0.0):
+    """(ids, weights): top_k distinct experts per row, uniform, or with ``skew`` > 0 the
+    top_k of random logits plus a per-expert bias of std ``skew`` (hot experts)."""
+    if skew:
+        logits = torch.randn(rows, experts, generator=gen) + skew * torch.randn(experts, generator=gen)
+        ids = torch.topk(logits, top_k, dim=1).indices.int()
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)]).int()
     weights = torch.rand(rows, top_k, generator=gen)
     return ids.to(device), (weights / weights.sum(1, keepdim=True)).to(device)
 
@@ -105,6 +112,9 @@ def main(argv=None) -> Results:
     p.add_argument("--experts", type=int, nargs="+", default=[112, 896])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--bn", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--bm", type=int, nargs="+", default=[],
+                   help="also time these pair blocks BM (default: the rule, expert_ffn.block_rows)")
+    p.add_argument("--skew", type=float, default=0.0, help="routing skew: per-expert logit bias std (0: uniform)")
     p.add_argument("--mxfp4", action="store_true", help="also our kernel on MXFP4 experts (random codes and scales)")
     p.add_argument("--mxfp4-tiles", nargs="+", default=["64,128,4,3", "32,128,4,3"],
                    help="MXFP4 tiles to time, each BN,BK,num_warps,num_stages")
@@ -134,7 +144,7 @@ def main(argv=None) -> Results:
     res = Results("moe_experts")
     for E in experts:
         for rows in args.rows:
-            ids, weights = routing(rows, E, top_k, gen, device)
+            ids, weights = routing(rows, E, top_k, gen, device, args.skew)
             latent = torch.randn(rows, L, generator=gen).to(device=device, dtype=torch.bfloat16)
             a = (latent, weights, ids, w13[:E], w2[:E])
             want = X.reference(*a, BETA, LINEAR_BETA)
@@ -145,7 +155,12 @@ def main(argv=None) -> Results:
                 continue
             active = int(torch.unique(ids).numel())
             fl = floor_us(active * expert_bytes + rows * L * (2 + 4))
-            row = dict(experts=E, rows=rows, active_experts=active, floor_us=fl, rel_err=err)
+            row = dict(experts=E, rows=rows, active_experts=active, skew=args.skew,
+                       max_pairs=int(torch.bincount(ids.flatten().long()).max()),
+                       block_rows=X.block_rows(ids.numel(), E), floor_us=fl, rel_err=err)
+            for bm in args.bm:
+                row[f"ours_bm{bm}_us"] = graph_time_us(lambda i: X.grouped(*a, BETA, LINEAR_BETA, BM=bm), calls=5,
+                                                       replays=5)
             for bn in args.bn:
                 t = graph_time_us(lambda i: X.grouped(*a, BETA, LINEAR_BETA, BN=bn), calls=5, replays=5)
                 row[f"ours_bn{bn}_us"] = t

@@ -18,6 +18,12 @@ AttnRes' prefix), the residual bank allocation and the exit gather complete it.
 not a decoder the passes understand. The pass manager parses once per compile; a pass
 that replaces a decoder call or collective updates the ``DecoderGraph`` it was given
 (``replaced``, or the fields it rewrote).
+
+A **layer fragment** is a graph of one or more Kimi K3 attention layers alone, as a
+user compiles one ``KimiDeltaAttention`` / ``MultiLatentAttention`` module: Kimi-spelled
+attention cores, no AttnRes, no collectives (a per-rank layer; its o-projection is the
+partial sum). It is not a decoder (``is_decoder`` is False); only lower_kernels applies
+to it (kernels are local rewrites), and the report says so.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from torch import fx
 
 from . import collectives, roles
 from .collectives import Collective
-from .graph import ancestors
+from .graph import OpCall, ancestors
 from .roles import AttnRes, Core, Experts
 
 aten = torch.ops.aten
@@ -93,17 +99,22 @@ class DecoderGraph:
     bank: fx.Node | None = None
     problems: list[str] = field(default_factory=list)
     hybrid: bool = False  # set by hybrid_attention
+    fragment: list[Core] = field(default_factory=list)  # the cores of a layer fragment
 
     @property
     def is_decoder(self) -> bool:
         return bool(self.layers) and not self.problems
 
     @property
+    def is_fragment(self) -> bool:
+        return bool(self.fragment)
+
+    @property
     def layout(self) -> str:
         """``sp``, ``tp``, ``single`` (no TP collectives), ``hybrid`` (after
-        hybrid_attention) or ``mixed``."""
+        hybrid_attention), ``mixed``, ``fragment`` or ``none``."""
         if not self.layers:
-            return "none"
+            return "fragment" if self.fragment else "none"
         if self.hybrid:
             return "hybrid"
         sp = [l.gather is not None and l.scatter is not None for l in self.layers]
@@ -120,7 +131,12 @@ class DecoderGraph:
 
     @property
     def tokens(self) -> Any:
-        """T, the step's batch rows: the SP gathers' rows, else the AttnRes rows."""
+        """T, the step's batch rows: the SP gathers' rows, else the AttnRes rows (a
+        fragment's: its first core's first argument's)."""
+        if self.fragment:
+            call = OpCall.of(self.fragment[0].node)
+            first = call.arg(call.op._schema.arguments[0].name)
+            return first.meta["val"].shape[0] if isinstance(first, fx.Node) and "val" in first.meta else None
         if self.rows is not None or not self.layers:
             return self.rows
         val = self.layers[0].pre.output.meta.get("val") if self.layers[0].pre.output is not None else None
@@ -129,7 +145,8 @@ class DecoderGraph:
     @property
     def q(self) -> int | None:
         """Tokens per request where a core shows it (KDA state slots [R, q])."""
-        return next((l.core.q for l in self.layers if l.core.q is not None), None)
+        cores = [l.core for l in self.layers] + self.fragment
+        return next((c.q for c in cores if c.q is not None), None)
 
     @property
     def group_size(self) -> int | None:
@@ -151,6 +168,7 @@ class DecoderGraph:
                 l.moe = roles.experts(new)
         if self.final is not None and self.final.node is old:
             self.final = roles.attn_res(new)
+        self.fragment = [roles.core(new) if c.node is old else c for c in self.fragment]
 
     @classmethod
     def parse(cls, graph: fx.Graph) -> "DecoderGraph":
@@ -161,6 +179,14 @@ class DecoderGraph:
                 cores.append(c)
             elif (r := roles.attn_res(node)) is not None:
                 res.append(r)
+        if cores and not res and all(c.spelling == "kimi" for c in cores):
+            n = sum(collectives.count(graph).values())
+            if n:
+                out.problems.append(f"a layer fragment (attention without AttnRes) with {n} collective(s): "
+                                    "the passes rewrite a TP layer only inside the whole decoder")
+            else:
+                out.fragment = cores
+            return out
         if not cores or not res:
             out.problems.append("not a Kimi K3 decoder graph: no AttnRes / attention core calls in any "
                                 f"known spelling ({', '.join(s.name for s in roles.SPELLINGS)})")

@@ -126,7 +126,8 @@ class LowerKernels:
         per_node: dict[fx.Node, str] = {}
         kept = Counter()
         dg = ctx.decoder
-        decoder_calls = [r for l in dg.layers for r in (l.pre, l.post, l.core)] + ([dg.final] if dg.final else [])
+        decoder_calls = [r for l in dg.layers for r in (l.pre, l.post, l.core)] + ([dg.final] if dg.final else []) \
+            + dg.fragment
         foreign = [c for c in decoder_calls if isinstance(c, roles.Core) and c.spelling != "kimi"]
         mla = sorted({c.spelling for c in foreign if c.kind != "kda"})
         if mla:

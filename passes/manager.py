@@ -3,6 +3,7 @@ one Inductor post-grad custom pass, times and logs each, dumps graphs, and fills
 report. The decoder is parsed once; fake values are kept right incrementally
 (``graph.MetaUpdater``). A graph that holds no Kimi K3 decoder, or whose deployment is
 not the one the decode settings describe, passes every pass unchanged (``refusal``).
+A layer fragment (``decoder.py``: attention layers alone) gets lower_kernels only.
 
 ``KimiPasses`` is a ``CustomGraphPass``: its ``uuid()`` hashes the source of every
 module the rewrites depend on (passes, stock, kernels, recursively) plus the options, so Inductor's FX graph cache never
@@ -35,6 +36,9 @@ from .pipeline import PASSES
 from .report import LayerReport, MatchReport, PassInfo
 
 log = logging.getLogger("kimi_inductor.passes")
+
+
+FRAGMENT_PASSES = ("lower_kernels",)  # the passes that apply to a layer fragment
 
 
 class MatchError(ValueError):
@@ -77,9 +81,11 @@ Observer = Callable[[str, fx.GraphModule], None]  # (stage, graph), stage "befor
 def refusal(dg: DecoderGraph, options: Options) -> str:
     """Why no pass may touch this graph ('' when they may): it holds no Kimi K3 decoder,
     or it is not the deployment the decode settings describe."""
-    if not dg.is_decoder:
+    if not dg.is_decoder and not dg.is_fragment:
         return "; ".join(dg.problems) or "no decoder layers"
     decode, size = options.decode, dg.group_size or 1
+    if dg.is_fragment and (decode.tp or 1) > 1:
+        return f"a layer fragment has no TP group, options say decode.tp={decode.tp}"
     if decode.tp is not None and size != decode.tp:
         return f"graph has TP size {size}, options say decode.tp={decode.tp}"
     if decode.q is not None and dg.q is not None and dg.q != decode.q:
@@ -105,6 +111,7 @@ class KimiPasses(CustomGraphPass):
         report.collectives_before = collectives.count(graph)
         dg = DecoderGraph.parse(graph)
         report.decoder, report.layout = dg.is_decoder, dg.layout
+        report.fragment = ", ".join(c.kind for c in dg.fragment)
         report.rows = dg.tokens if isinstance(dg.tokens, int) or dg.tokens is None else str(dg.tokens)
         report.group_size = dg.group_size
         report.layers = [LayerReport(l.index, l.kind, l.mlp, spelling=l.spelling, notes=_dcp_note(l))
@@ -118,6 +125,8 @@ class KimiPasses(CustomGraphPass):
             start = time.perf_counter()
             if report.reason:
                 info = PassInfo(name, skipped=[report.reason])
+            elif dg.is_fragment and name not in FRAGMENT_PASSES:
+                info = PassInfo(name, skipped=["a layer fragment: this pass rewrites the whole decoder"])
             else:
                 info = PASSES[name]()(gm, ctx)
                 gm.recompile()

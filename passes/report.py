@@ -50,6 +50,7 @@ class PassInfo:
 class MatchReport:
     graph: int = 0
     decoder: bool = False
+    fragment: str = ""  # a layer fragment's attention kinds ("kda", "mla, mla"), '' otherwise
     layout: str = "none"  # as compiled: sp | tp | single | mixed | none
     layout_after: str = "none"  # after the passes (hybrid when hybrid_attention rewrote)
     rows: int | str | None = None  # T, or its symbol's name for a symbolic batch
@@ -71,7 +72,9 @@ class MatchReport:
         return cls(**d)
 
     def format(self) -> str:
-        lines = [f"graph {self.graph}: {'Kimi K3 decoder' if self.decoder else 'not rewritten'}"
+        what = ("Kimi K3 decoder" if self.decoder else f"Kimi K3 layer fragment ({self.fragment})" if self.fragment
+                else "not rewritten")
+        lines = [f"graph {self.graph}: {what}"
                  f" layout={self.layout}" + (f" -> {self.layout_after}" if self.layout_after not in (self.layout, "none") else "")
                  + f" rows={self.rows} G={self.group_size}"
                  + (f" ({self.reason})" if self.reason else "")]

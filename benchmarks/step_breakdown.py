@@ -1,0 +1,113 @@
+"""Where a compiled decoder step's GPU time goes, measured (issue 19, item 1).
+
+The step's kernels are profiled (CUPTI, through ``torch.profiler``; launched without a
+CUDA graph, which changes launch gaps, not kernel durations) and each kernel is given
+to a part of the model by its position in the stream: our AttnRes kernel runs exactly
+2 L + 1 times per step (pre- and post-attention of every layer, then the final mix), so
+
+    after AttnRes 2i      -> layer i's attention ("attention kda" / "attention mla")
+    after AttnRes 2i + 1  -> layer i's MLP ("dense mlp", or for a MoE layer "experts"
+                             for the grouped expert kernels and "moe non-expert" for
+                             the rest: router, latent and shared projections, routing)
+    after AttnRes 2L      -> "entry / exit" (final norm, the next step's embedding)
+
+with AttnRes itself ("attn_res") and NCCL kernels ("collectives") counted wherever they
+run. The parts sum to the step's kernel time; the CUDA-graph replay time of the same
+step minus that sum is the idle time between kernels.
+
+    python benchmarks/step_breakdown.py docs/results/decode_step_q1_h200_v3.json  # the plot
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+
+ATTN_RES = "_attn_res_kernel"
+EXPERT_KERNELS = ("_up_kernel", "_down_kernel", "_combine_kernel")  # kernels/expert_ffn.py
+PARTS = ("attention kda", "attention mla", "attn_res", "moe non-expert", "experts", "dense mlp", "collectives",
+         "entry / exit")
+
+
+def profile_kernels(fn, calls: int = 3) -> list[tuple[str, float]]:
+    """(name, microseconds) of every GPU kernel of ``calls`` calls of ``fn``, in start order."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return [(e["name"], float(e["dur"])) for e in kernels]
+
+
+def breakdown(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], calls: int) -> dict[str, float]:
+    """Microseconds per step by part (``PARTS``) for ``calls`` steps of a decoder whose
+    layers are ``layers`` [(attention kind, "moe" | "dense")]; ValueError when the
+    AttnRes count does not delimit the steps."""
+    per_step = 2 * len(layers) + 1
+    seen = sum(name == ATTN_RES for name, _ in kernels)
+    if seen != calls * per_step:
+        raise ValueError(f"{seen} AttnRes kernels for {calls} steps of {len(layers)} layers "
+                         f"(expected {calls * per_step}): the step's kernels cannot be delimited")
+    out, count = defaultdict(float), -1  # AttnRes calls seen so far in this step
+    for name, us in kernels:
+        if name == ATTN_RES:
+            count = (count + 1) % per_step
+            part = "attn_res"
+        elif "nccl" in name.lower():
+            part = "collectives"
+        elif count < 0 or count == per_step - 1:
+            part = "entry / exit"
+        else:
+            kind, mlp = layers[count // 2]
+            if count % 2 == 0:
+                part = f"attention {'kda' if kind == 'kda' else 'mla'}"
+            elif mlp == "moe":
+                part = "experts" if name in EXPERT_KERNELS else "moe non-expert"
+            else:
+                part = "dense mlp"
+        out[part] += us / calls
+    return {part: out[part] for part in PARTS}
+
+
+def plot(json_path: str, png_path: str | None = None) -> str:
+    """Stacked bars of each row's ``kimi_breakdown_us`` with its CUDA-graph time marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in json.load(open(json_path))["rows"] if "kimi_breakdown_us" in r]
+    if not rows:
+        raise ValueError(f"{json_path} has no kimi_breakdown_us rows (run decode_step.py on a GPU)")
+    labels = [f"{r['rows']} rows\nq={r['q']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 3, 4.5))
+    bottom = [0.0] * len(rows)
+    for part in PARTS:
+        vals = [r["kimi_breakdown_us"].get(part, 0.0) for r in rows]
+        if any(vals):
+            ax.bar(labels, vals, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(labels, [r["kimi_us"] for r in rows], "k_", markersize=30, mew=2, label="step, CUDA graph")
+    ax.plot(labels, [r["floor_us"] for r in rows], "r_", markersize=30, mew=2, label="byte floor")
+    ax.set_ylabel("us per step")
+    ax.set_title("kimi_specialized decoder step by part (kernel time), one H200")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    png_path = png_path or os.path.splitext(json_path)[0] + ".png"
+    fig.savefig(png_path, dpi=120)
+    return png_path
+
+
+if __name__ == "__main__":
+    print(plot(*sys.argv[1:3]))
