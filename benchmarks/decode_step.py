@@ -16,7 +16,7 @@ timed inside CUDA graphs (``common.graph_time_us``, the same step replayed):
 
 For ``kimi`` the JSON also has ``kimi_breakdown_us``: its kernel time per part of the
 model (attention, AttnRes, MoE non-expert, experts, ...; ``step_breakdown.py``, which
-also draws the plot).
+also draws the plot) and ``kimi_top_kernels_us``: each part's costliest kernels.
 
 Compile time: the first call of each variant (``compile_s``, cold in a fresh process)
 and again after ``torch._dynamo.reset()`` (``recompile_s``, Inductor's caches warm).
@@ -143,9 +143,10 @@ def main(argv=None) -> Results:
                         row[f"{name}_us"] = graph_time_us(lambda i: fn(step, scratch), calls=5, replays=5)
                         if name == "kimi":
                             layers = [(layer.kind, layer.mlp) for layer in backend.report.layers]
-                            parts = step_breakdown.breakdown(
-                                step_breakdown.profile_kernels(lambda: fn(step, scratch), calls=3), layers, 3)
-                            row.update(kimi_breakdown_us=parts, kimi_kernel_us=sum(parts.values()))
+                            kernels = step_breakdown.profile_kernels(lambda: fn(step, scratch), calls=3)
+                            parts = step_breakdown.breakdown(kernels, layers, 3)
+                            row.update(kimi_breakdown_us=parts, kimi_kernel_us=sum(parts.values()),
+                                       kimi_top_kernels_us=step_breakdown.top_kernels(kernels, layers, 3))
                     del scratch
             ref = outs["inductor"]
             row["rel_err"] = float(((outs["kimi"] - ref).norm(dim=-1) / ref.norm(dim=-1)).max())

@@ -15,7 +15,7 @@ with AttnRes itself ("attn_res") and NCCL kernels ("collectives") counted wherev
 run. The parts sum to the step's kernel time; the CUDA-graph replay time of the same
 step minus that sum is the idle time between kernels.
 
-    python benchmarks/step_breakdown.py docs/results/decode_step_q1_h200_v3.json  # the plot
+    python benchmarks/step_breakdown.py OUT.png STEP.json [STEP.json ...]  # the plot
 """
 
 from __future__ import annotations
@@ -51,16 +51,16 @@ def profile_kernels(fn, calls: int = 3) -> list[tuple[str, float]]:
     return [(e["name"], float(e["dur"])) for e in kernels]
 
 
-def breakdown(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], calls: int) -> dict[str, float]:
-    """Microseconds per step by part (``PARTS``) for ``calls`` steps of a decoder whose
-    layers are ``layers`` [(attention kind, "moe" | "dense")]; ValueError when the
+def attribute(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], calls: int):
+    """(part, kernel name, microseconds) of each kernel of ``calls`` steps of a decoder
+    whose layers are ``layers`` [(attention kind, "moe" | "dense")]; ValueError when the
     AttnRes count does not delimit the steps."""
     per_step = 2 * len(layers) + 1
     seen = sum(name == ATTN_RES for name, _ in kernels)
     if seen != calls * per_step:
         raise ValueError(f"{seen} AttnRes kernels for {calls} steps of {len(layers)} layers "
                          f"(expected {calls * per_step}): the step's kernels cannot be delimited")
-    out, count = defaultdict(float), -1  # AttnRes calls seen so far in this step
+    count = -1  # AttnRes calls seen so far in this step
     for name, us in kernels:
         if name == ATTN_RES:
             count = (count + 1) % per_step
@@ -77,19 +77,40 @@ def breakdown(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], c
                 part = "experts" if name in EXPERT_KERNELS else "moe non-expert"
             else:
                 part = "dense mlp"
+        yield part, name, us
+
+
+def breakdown(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], calls: int) -> dict[str, float]:
+    """Microseconds per step by part (``PARTS``)."""
+    out = defaultdict(float)
+    for part, _, us in attribute(kernels, layers, calls):
         out[part] += us / calls
     return {part: out[part] for part in PARTS}
 
 
-def plot(json_path: str, png_path: str | None = None) -> str:
-    """Stacked bars of each row's ``kimi_breakdown_us`` with its CUDA-graph time marked."""
+def top_kernels(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], calls: int,
+                n: int = 6) -> dict[str, list[tuple[str, float]]]:
+    """Per part, its ``n`` kernels (by name) with the most microseconds per step."""
+    by_name = defaultdict(float)
+    for part, name, us in attribute(kernels, layers, calls):
+        by_name[part, name] += us / calls
+    return {part: sorted(((name, us) for (p, name), us in by_name.items() if p == part), key=lambda k: -k[1])[:n]
+            for part in PARTS}
+
+
+def plot(png_path: str, *json_paths: str) -> str:
+    """Stacked bars of each row's ``kimi_breakdown_us`` with its CUDA-graph time and floor
+    marked; a (q, rows) point of a later file replaces an earlier file's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in json.load(open(json_path))["rows"] if "kimi_breakdown_us" in r]
-    if not rows:
-        raise ValueError(f"{json_path} has no kimi_breakdown_us rows (run decode_step.py on a GPU)")
+    points = {}
+    for path in json_paths:
+        points.update({(r["q"], r["rows"]): r for r in json.load(open(path))["rows"] if "kimi_breakdown_us" in r})
+    if not points:
+        raise ValueError(f"{', '.join(json_paths)}: no kimi_breakdown_us rows (run decode_step.py on a GPU)")
+    rows = [points[k] for k in sorted(points)]
     labels = [f"{r['rows']} rows\nq={r['q']}" for r in rows]
     fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 3, 4.5))
     bottom = [0.0] * len(rows)
@@ -104,10 +125,11 @@ def plot(json_path: str, png_path: str | None = None) -> str:
     ax.set_title("kimi_specialized decoder step by part (kernel time), one H200")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    png_path = png_path or os.path.splitext(json_path)[0] + ".png"
     fig.savefig(png_path, dpi=120)
     return png_path
 
 
 if __name__ == "__main__":
-    print(plot(*sys.argv[1:3]))
+    if len(sys.argv) < 3:
+        sys.exit("usage: python benchmarks/step_breakdown.py OUT.png STEP.json [STEP.json ...]")
+    print(plot(*sys.argv[1:]))

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from step_breakdown import ATTN_RES, breakdown  # noqa: E402
+from step_breakdown import ATTN_RES, breakdown, top_kernels  # noqa: E402
 
 LAYERS = [("kda", "dense"), ("mla", "moe")]
 
@@ -28,3 +28,10 @@ def test_parts_of_two_steps():
 def test_a_step_the_attn_res_count_does_not_delimit_is_refused():
     with pytest.raises(ValueError, match="4 AttnRes kernels for 1 steps of 2 layers"):
         breakdown([k for k in one_step() if k != (ATTN_RES, 2.0)] + [(ATTN_RES, 2.0)] * 4, LAYERS, calls=1)
+
+
+def test_top_kernels_per_part():
+    top = top_kernels(one_step() * 2, LAYERS, calls=2, n=2)
+    assert top["experts"] == [("_combine_kernel", 11.0), ("_down_kernel", 10.0)]
+    assert top["attention mla"] == [("_mla_split_kernel", 6.0), ("_combine_kernel", 1.0)]
+    assert top["collectives"] == [("ncclDevKernel_AllReduce", 7.0)]
