@@ -100,14 +100,16 @@ def top_kernels(kernels: list[tuple[str, float]], layers: list[tuple[str, str]],
 
 def plot(png_path: str, *json_paths: str) -> str:
     """Stacked bars of each row's ``kimi_breakdown_us`` with its CUDA-graph time and floor
-    marked; a (q, rows) point of a later file replaces an earlier file's."""
+    marked (rank 0's of a multi-GPU run); a (q, rows) point of a later file replaces an
+    earlier file's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     points = {}
     for path in json_paths:
-        points.update({(r["q"], r["rows"]): r for r in json.load(open(path))["rows"] if "kimi_breakdown_us" in r})
+        points.update({(r["q"], r["rows"]): r for r in json.load(open(path))["rows"]
+                       if "kimi_breakdown_us" in r and r.get("rank", 0) == 0})
     if not points:
         raise ValueError(f"{', '.join(json_paths)}: no kimi_breakdown_us rows (run decode_step.py on a GPU)")
     rows = [points[k] for k in sorted(points)]
@@ -122,7 +124,9 @@ def plot(png_path: str, *json_paths: str) -> str:
     ax.plot(labels, [r["kimi_us"] for r in rows], "k_", markersize=30, mew=2, label="step, CUDA graph")
     ax.plot(labels, [r["floor_us"] for r in rows], "r_", markersize=30, mew=2, label="byte floor")
     ax.set_ylabel("us per step")
-    ax.set_title("kimi_specialized decoder step by part (kernel time), one H200")
+    ranks = rows[0].get("ranks", 1)
+    ax.set_title("kimi_specialized decoder step by part (kernel time), "
+                 + ("one H200" if ranks == 1 else f"rank 0 of {ranks} H200s"))
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)

@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--only", nargs="+", help="a subset of the suite (kimi_inductor/bench.py SUITE), e.g. "
                                              "kda_layer_q1 moe_layer mla_layer dcp_mla")
     b.add_argument("--smoke", action="store_true", help="CPU smoke run of the KDA layer benchmark")
-    b.add_argument("--step", action="store_true", help="only the whole decoder step at K3 per-rank shapes "
-                                                       "(benchmarks/decode_step.py; same as --only decode_step)")
+    b.add_argument("--step", action="store_true", help="only the whole decoder step at K3 per-rank shapes, on "
+                                                       "one GPU and (when visible) on 2 (benchmarks/decode_step.py; "
+                                                       "same as --only decode_step decode_step_g2)")
     b.set_defaults(subparser=b)
     return parser
 
@@ -124,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["agree"] else 1
 
     if args.command == "bench":
-        from .bench import bench
+        from .bench import STEP, bench
 
-        for name, path in bench(args.out, ["decode_step"] if args.step else args.only, args.smoke).items():
+        for name, path in bench(args.out, STEP if args.step else args.only, args.smoke).items():
             print(f"{name}: {path}")
         return 0
 

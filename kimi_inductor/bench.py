@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 SUITE = {  # name: (script, arguments)
-    "decode_step": ("decode_step.py", []),  # the whole decoder step (issue 19); --step runs only this
+    "decode_step": ("decode_step.py", []),  # the whole decoder step (issue 19); --step runs these two
+    "decode_step_g2": ("decode_step.py", ["--gpus", "2", "--q", "1"]),  # the hybrid step on 2 GPUs (NCCL)
     "kda_layer_q1": ("kda_layer.py", ["--rows", "1", "2", "8", "32", "64", "--q", "1"]),
     "kda_layer_q4": ("kda_layer.py", ["--rows", "8", "32", "64", "--q", "4"]),
     "kda_kernel": ("kda_kernel.py", []),
@@ -38,6 +39,9 @@ SUITE = {  # name: (script, arguments)
     "dcp_mla": ("dcp_mla.py", ["--gpus", "2"]),
     "dcp_dsa": ("dcp_mla.py", ["--gpus", "2", "--kind", "dsa"]),
 }
+
+
+STEP = ["decode_step", "decode_step_g2"]  # bench --step
 
 
 def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> dict[str, str]:
@@ -73,14 +77,14 @@ def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> d
         written[name] = str(path)
     if not smoke:
         plot(out)
-        if "decode_step" in written:
-            sys.path.insert(0, str(root))
-            import step_breakdown
+        sys.path.insert(0, str(root))
+        import step_breakdown
 
+        for name in [n for n in STEP if n in written]:
             try:
-                step_breakdown.plot(str(out / "decode_step.png"), written["decode_step"])
+                step_breakdown.plot(str(out / f"{name}.png"), written[name])
             except ImportError:  # no matplotlib: the JSON holds the breakdown
-                pass
+                break
     return written
 
 

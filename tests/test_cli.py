@@ -1,6 +1,7 @@
 """The main job (``demo``) and ``explain`` as a user runs them."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,23 @@ def test_step_benchmark_smoke_compiles_every_layer(tmp_path):
 
     rows = decode_step.main(["--smoke", "--rows", "2", "--q", "1", "--json", str(tmp_path / "step.json")]).rows
     assert rows and rows[0]["rewritten_layers"] == 9 and rows[0]["rel_err"] == 0.0
+
+
+def test_step_benchmark_on_two_ranks_runs_the_hybrid_step(tmp_path):
+    """``decode_step.py --gpus 2``'s plumbing on 2 CPU ranks (gloo), 3 rows (one SP padding
+    row): the SP decoder becomes the hybrid step on every rank, every layer rewritten,
+    each rank's rows written, and both ranks hold the same gathered output (the same
+    distance from stock; the rewrite's numerics against stock are
+    tests/test_sharded_moe.py's and test_hybrid_attention.py's)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import decode_step
+
+    rows = decode_step.main(["--smoke", "--gpus", "2", "--rows", "3", "--q", "1", "--json",
+                             str(tmp_path / "step.json")]).rows
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        assert r["layout"] == "hybrid" and r["rewritten_layers"] == 9 and math.isfinite(r["rel_err"])
+    assert rows[0]["rel_err"] == rows[1]["rel_err"]
 
 
 def test_runs_without_triton():
