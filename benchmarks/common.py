@@ -98,9 +98,9 @@ def run_on_gpus(fn: Callable, gpus: int, args: tuple, json_path: str) -> None:
 
 def require_rewritten(backend, what: str) -> None:
     """Stop a timing run whose kimi_specialized graph was left unchanged (its "kimi"
-    column would silently be stock): a lone attention layer is a layer fragment that
-    lower_kernels rewrites; a lone MoE layer or a TP layer with its collectives is not
-    (the passes that take those need the whole decoder)."""
+    column would silently be stock): a lone attention or MoE layer on one rank is a layer
+    fragment that mega_moe and lower_kernels rewrite; a TP layer with its collectives is
+    not (the passes that take those need the whole decoder)."""
     report = backend.report
     lowered = sum(p.rewritten for p in report.passes)
     if not (report.decoder or report.fragment) or not lowered:

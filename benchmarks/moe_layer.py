@@ -108,10 +108,10 @@ def main(argv=None) -> Results:
         _, ids = select_experts(router_logits(x, params["gate.weight"]), params["gate.e_score_correction_bias"],
                                 config.num_experts_per_token, True, 1.0)
         active = int(torch.unique(ids).numel())
+        require_rewritten(backend, "moe_layer")
         if args.smoke:
             res.add(rows=rows, active_experts=active, rel_err=err)
             continue
-        require_rewritten(backend, "moe_layer")
         fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
         t_stock = graph_time_us(lambda i: stock(params, x, pad), calls=3, replays=3)
         t_kimi = graph_time_us(lambda i: kimi(params, x, pad), calls=5, replays=5)

@@ -19,11 +19,13 @@ not a decoder the passes understand. The pass manager parses once per compile; a
 that replaces a decoder call or collective updates the ``DecoderGraph`` it was given
 (``replaced``, or the fields it rewrote).
 
-A **layer fragment** is a graph of one or more Kimi K3 attention layers alone, as a
-user compiles one ``KimiDeltaAttention`` / ``MultiLatentAttention`` module: Kimi-spelled
-attention cores, no AttnRes, no collectives (a per-rank layer; its o-projection is the
-partial sum). It is not a decoder (``is_decoder`` is False); only lower_kernels applies
-to it (kernels are local rewrites), and the report says so.
+A **layer fragment** is a graph of Kimi K3 layers without the decoder around them, as a
+user compiles one ``KimiDeltaAttention`` / ``MultiLatentAttention`` / ``KimiMoE`` module:
+Kimi-spelled attention cores and / or routed-experts calls, no AttnRes, no collectives in
+the graph (a per-rank layer: an attention's o-projection is the partial sum; an
+expert-parallel MoE's exchange is inside its op). It is not a decoder (``is_decoder`` is
+False); only the passes whose rewrites are local apply to it (``manager.FRAGMENT_PASSES``:
+mega_moe, lower_kernels), and the report says so.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class DecoderGraph:
     bank: fx.Node | None = None
     problems: list[str] = field(default_factory=list)
     hybrid: bool = False  # set by hybrid_attention
-    fragment: list[Core] = field(default_factory=list)  # the cores of a layer fragment
+    fragment: list[Core | Experts] = field(default_factory=list)  # a layer fragment's cores and experts
 
     @property
     def is_decoder(self) -> bool:
@@ -145,7 +147,7 @@ class DecoderGraph:
     @property
     def q(self) -> int | None:
         """Tokens per request where a core shows it (KDA state slots [R, q])."""
-        cores = [l.core for l in self.layers] + self.fragment
+        cores = [l.core for l in self.layers] + [c for c in self.fragment if isinstance(c, Core)]
         return next((c.q for c in cores if c.q is not None), None)
 
     @property
@@ -168,24 +170,28 @@ class DecoderGraph:
                 l.moe = roles.experts(new)
         if self.final is not None and self.final.node is old:
             self.final = roles.attn_res(new)
-        self.fragment = [roles.core(new) if c.node is old else c for c in self.fragment]
+        self.fragment = [c if c.node is not old else roles.core(new) if isinstance(c, Core) else roles.experts(new)
+                         for c in self.fragment]
 
     @classmethod
     def parse(cls, graph: fx.Graph) -> "DecoderGraph":
         out = cls()
-        cores, res = [], []
+        cores, res, parts = [], [], []  # parts: cores and routed experts, in graph order
         for node in graph.nodes:
             if (c := roles.core(node)) is not None:
                 cores.append(c)
+                parts.append(c)
             elif (r := roles.attn_res(node)) is not None:
                 res.append(r)
-        if cores and not res and all(c.spelling == "kimi" for c in cores):
+            elif (e := roles.experts(node)) is not None:
+                parts.append(e)
+        if parts and not res and all(c.spelling == "kimi" for c in parts):
             n = sum(collectives.count(graph).values())
             if n:
-                out.problems.append(f"a layer fragment (attention without AttnRes) with {n} collective(s): "
+                out.problems.append(f"a layer fragment (layers without AttnRes) with {n} collective(s): "
                                     "the passes rewrite a TP layer only inside the whole decoder")
             else:
-                out.fragment = cores
+                out.fragment = parts
             return out
         if not cores or not res:
             out.problems.append("not a Kimi K3 decoder graph: no AttnRes / attention core calls in any "

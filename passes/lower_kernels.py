@@ -127,7 +127,7 @@ class LowerKernels:
         kept = Counter()
         dg = ctx.decoder
         decoder_calls = [r for l in dg.layers for r in (l.pre, l.post, l.core)] + ([dg.final] if dg.final else []) \
-            + dg.fragment
+            + [c for c in dg.fragment if isinstance(c, roles.Core)]
         foreign = [c for c in decoder_calls if isinstance(c, roles.Core) and c.spelling != "kimi"]
         mla = sorted({c.spelling for c in foreign if c.kind != "kda"})
         if mla:

@@ -3,7 +3,8 @@ one Inductor post-grad custom pass, times and logs each, dumps graphs, and fills
 report. The decoder is parsed once; fake values are kept right incrementally
 (``graph.MetaUpdater``). A graph that holds no Kimi K3 decoder, or whose deployment is
 not the one the decode settings describe, passes every pass unchanged (``refusal``).
-A layer fragment (``decoder.py``: attention layers alone) gets lower_kernels only.
+A layer fragment (``decoder.py``: layers without the decoder) gets the passes whose
+rewrites are local (``FRAGMENT_PASSES``).
 
 ``KimiPasses`` is a ``CustomGraphPass``: its ``uuid()`` hashes the source of every
 module the rewrites depend on (passes, stock, kernels, recursively) plus the options, so Inductor's FX graph cache never
@@ -34,11 +35,12 @@ from .decoder import DecoderGraph
 from .graph import MetaUpdater
 from .pipeline import PASSES
 from .report import LayerReport, MatchReport, PassInfo
+from .roles import Core
 
 log = logging.getLogger("kimi_inductor.passes")
 
 
-FRAGMENT_PASSES = ("lower_kernels",)  # the passes that apply to a layer fragment
+FRAGMENT_PASSES = ("mega_moe", "lower_kernels")  # the passes that apply to a layer fragment (local rewrites)
 
 
 class MatchError(ValueError):
@@ -111,7 +113,7 @@ class KimiPasses(CustomGraphPass):
         report.collectives_before = collectives.count(graph)
         dg = DecoderGraph.parse(graph)
         report.decoder, report.layout = dg.is_decoder, dg.layout
-        report.fragment = ", ".join(c.kind for c in dg.fragment)
+        report.fragment = ", ".join(c.kind if isinstance(c, Core) else "moe" for c in dg.fragment)
         report.rows = dg.tokens if isinstance(dg.tokens, int) or dg.tokens is None else str(dg.tokens)
         report.group_size = dg.group_size
         report.layers = [LayerReport(l.index, l.kind, l.mlp, spelling=l.spelling, notes=_dcp_note(l))

@@ -45,6 +45,7 @@ from kimi_inductor.kernels import expert_ffn, mega_moe
 
 from .graph import OpCall
 from .report import PassInfo
+from .roles import Experts
 
 aten, prims = torch.ops.aten, torch.ops.prims
 kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
@@ -60,19 +61,18 @@ class MegaMoE:
         info = PassInfo(self.name)
         g, dg = gm.graph, ctx.decoder
         routed: dict[fx.Node, str] = {}
-        for layer in dg.layers:
-            if layer.moe is None:
-                continue
-            call = OpCall.of(layer.moe.node)
+        moes = [l.moe for l in dg.layers if l.moe is not None] + [e for e in dg.fragment if isinstance(e, Experts)]
+        for moe in moes:
+            call = OpCall.of(moe.node)
             if call.op._schema.name in OURS:  # already ours
                 continue
             info.matched += 1
-            if layer.moe.refusal:
-                routed[layer.moe.node] = why = f"{layer.moe.spelling} MoE kept: {layer.moe.refusal}"
+            if moe.refusal:
+                routed[moe.node] = why = f"{moe.spelling} MoE kept: {moe.refusal}"
                 if why not in info.skipped:
                     info.skipped.append(why)
                 continue
-            op, what = _route_layer(g, layer.moe) if layer.moe.kind == "layer" else _route(g, call)
+            op, what = _route_layer(g, moe) if moe.kind == "layer" else _route(g, call)
             dg.replaced(call.node, op)
             routed[op] = what
             info.rewritten += 1

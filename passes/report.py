@@ -50,7 +50,7 @@ class PassInfo:
 class MatchReport:
     graph: int = 0
     decoder: bool = False
-    fragment: str = ""  # a layer fragment's attention kinds ("kda", "mla, mla"), '' otherwise
+    fragment: str = ""  # a layer fragment's parts ("kda", "moe", "mla, moe"), '' otherwise
     layout: str = "none"  # as compiled: sp | tp | single | mixed | none
     layout_after: str = "none"  # after the passes (hybrid when hybrid_attention rewrote)
     rows: int | str | None = None  # T, or its symbol's name for a symbolic batch

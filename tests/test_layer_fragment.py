@@ -1,9 +1,9 @@
-"""A layer fragment: one Kimi K3 attention layer compiled alone (``passes/decoder.py``).
+"""A layer fragment: one Kimi K3 attention or MoE layer compiled alone (``passes/decoder.py``).
 
-lower_kernels rewrites it (its kernels are local rewrites); every pass that needs the
-whole decoder skips it and says so; with CPU references the lowered layer is bitwise the
-stock layer. A fragment with collectives (a TP layer) or under ``decode.tp > 1`` is
-refused and left unchanged.
+mega_moe and lower_kernels rewrite it (their rewrites are local); every pass that needs
+the whole decoder skips it and says so; with CPU references the rewritten layer is
+bitwise the stock layer. A fragment with collectives (a TP layer) or under
+``decode.tp > 1`` is refused and left unchanged.
 """
 
 import pytest
@@ -30,6 +30,19 @@ def attention_layer(preset: str, kind: str, group=None):
     return model.model.layers[i].self_attn, (x, batch.step(), caches[i])
 
 
+def moe_layer(group=None):
+    """(the tiny stack's first MoE layer, its inputs: 5 rows, the last one padding)."""
+    from kimi_inductor.stock import KimiK3Config, Parallel
+    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
+
+    config = KimiK3Config.preset("tiny")
+    model = build_model(config, random_checkpoint(config), Parallel("sp" if group else "tp", group))
+    layer = next(l.mlp for l in model.model.layers if l.is_moe_layer)
+    torch.manual_seed(0)
+    x = torch.randn(5, config.hidden_size).to(torch.bfloat16)
+    return layer, (x, torch.tensor([False] * 4 + [True]))
+
+
 def compile_layer(layer, args, options=None):
     from kimi_inductor.backend import KimiSpecialized
 
@@ -52,7 +65,8 @@ def test_a_lone_attention_layer_is_lowered_and_equals_stock(preset, kind, label)
     assert report.format().startswith(f"graph 0: Kimi K3 layer fragment ({kind}) layout=fragment rows={x.shape[0]}")
     passes = {p.name: p for p in report.passes}
     assert passes["lower_kernels"].rewritten >= 1
-    for name in ("hybrid_attention", "mega_moe", "sharded_moe"):
+    assert (passes["mega_moe"].matched, passes["mega_moe"].skipped) == (0, [])  # runs, finds no experts
+    for name in ("hybrid_attention", "sharded_moe"):
         assert passes[name].rewritten == 0
         assert passes[name].skipped == ["a layer fragment: this pass rewrites the whole decoder"]
     assert torch.equal(got, want)
@@ -70,5 +84,26 @@ def test_a_tp_layer_with_its_all_reduce_is_not_a_fragment(fake_world):
     layer, args = attention_layer("tiny", "kda", group=fake_world(2))
     report, _ = compile_layer(layer, args)
     assert not report.fragment and not report.decoder
-    assert "a layer fragment (attention without AttnRes) with 1 collective(s)" in report.reason
+    assert "a layer fragment (layers without AttnRes) with 1 collective(s)" in report.reason
     assert all(p.rewritten == 0 for p in report.passes)
+
+
+def test_a_lone_moe_layer_gets_our_experts_and_equals_stock():
+    layer, args = moe_layer()
+    with torch.no_grad():
+        want = layer(*args)
+    report, got = compile_layer(layer, args)
+    assert report.fragment == "moe" and not report.reason
+    passes = {p.name: p for p in report.passes}
+    assert (passes["mega_moe"].matched, passes["mega_moe"].rewritten) == (1, 1)
+    assert passes["sharded_moe"].skipped == ["a layer fragment: this pass rewrites the whole decoder"]
+    assert torch.equal(got, want)
+
+
+def test_an_expert_parallel_moe_fragment_gets_the_exchange(fake_world):
+    """SP at G = 2: the EP op holds its exchange, so the layer is a fragment; mega_moe
+    replaces it by ours (values are garbage on a fake group: the report is checked)."""
+    layer, args = moe_layer(group=fake_world(2))
+    report, _ = compile_layer(layer, args)
+    assert report.fragment == "moe" and not report.reason
+    assert next(p for p in report.passes if p.name == "mega_moe").rewritten == 1
