@@ -134,7 +134,7 @@ class DecoderGraph:
     @property
     def tokens(self) -> Any:
         """T, the step's batch rows: the SP gathers' rows, else the AttnRes rows (a
-        fragment's: its first core's first argument's)."""
+        fragment's: the rows of its first part's first argument)."""
         if self.fragment:
             call = OpCall.of(self.fragment[0].node)
             first = call.arg(call.op._schema.arguments[0].name)
