@@ -62,7 +62,7 @@ from kimi_inductor.stock.batch import DecodeBatch  # noqa: E402
 from kimi_inductor.stock.checkpoint import build_model  # noqa: E402
 
 
-def experts_hit(model, step, caches) -> list[int]:
+def experts_hit(model, step, caches, G: int, rank: int) -> list[int]:
     """Per MoE layer, how many of this rank's experts the step's rows (every rank's) pick
     (one eager step on copies of the caches, the router's selection recorded)."""
     picked, select = [], stock_moe.select_experts
@@ -78,7 +78,6 @@ def experts_hit(model, step, caches) -> list[int]:
             model(step, [tuple(t.clone() for t in c) for c in caches])
     finally:
         stock_moe.select_experts = select
-    G, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     local = model.config.num_experts // G
     hit = []
     for ids in picked:
@@ -138,7 +137,7 @@ def measure(args) -> list[dict[str, Any]]:
             caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, q, device=device)
             fill_caches(caches, 7, device)
             step = batch.step().to(device)
-            hit = experts_hit(model, step, caches)
+            hit = experts_hit(model, step, caches, G, rank)
             row: dict[str, Any] = dict(q=q, rows=rows, requests=R, context=args.context, experts_hit=hit,
                                        experts="mxfp4" if args.mxfp4 else "bf16")
             if G > 1:
