@@ -47,20 +47,21 @@ NAMESPACE = "kimi_kernels"
 
 
 @functools.lru_cache
-def implementation(device: torch.device) -> tuple[str, str]:
+def implementation(device: torch.device, mxfp4: bool = False) -> tuple[str, str]:
     """(name, reason) of the implementation the op runs on ``device`` (asked once per
-    device: the op calls it on every step)."""
+    device: the op calls it on every step); ``mxfp4``: for experts stored as MXFP4."""
     if device.type == "meta":
         return "chosen at run time", "compiled on the meta device"
     if triton is None:
         return "reference", "Triton is not installed"
+    kind = "grouped Triton MXFP4 expert kernel (in-register E2M1 upcast)" if mxfp4 else "grouped Triton expert kernel"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return "reference", f"SM{major}{minor}: the grouped Triton kernel needs SM80 or newer"
-        return "triton", f"grouped Triton expert kernel on SM{major}{minor}"
+        if major < (9 if mxfp4 else 8):
+            return "reference", f"SM{major}{minor}: the {kind} needs SM{90 if mxfp4 else 80} or newer"
+        return "triton", f"{kind} on SM{major}{minor}"
     if INTERPRET:
-        return "triton", "grouped Triton expert kernel under TRITON_INTERPRET=1"
+        return "triton", f"{kind} under TRITON_INTERPRET=1"
     return "reference", f"{device.type}: the torch reference (the Triton kernel needs a GPU)"
 
 
@@ -112,6 +113,34 @@ if triton is not None:
         scale = tl.exp2(scale.to(tl.float32) - 127.0)
         return (_e2m1(byte & 15) * scale).to(tl.bfloat16), (_e2m1(byte >> 4) * scale).to(tl.bfloat16)
 
+    # E2M1 codes + E8M0 scales -> bf16, 4 bytes (8 values) per call, in integer and
+    # packed-bf16 instructions (about 4.5 per value; Triton's own dot_scaled upcast took
+    # twice the time). Per pair of bytes [b0, b1]: each nibble's magnitude bits (e1 e0 m)
+    # go to bf16 bits 8-6 and its sign to bit 15, which is the value times 2^-126 exactly
+    # (e = 0 lands on a bf16 subnormal: 0.5 m 2^-126); one multiply by f = 2^(min(s, 128) - 1)
+    # and one by g = 2^(max(s, 128) - 128) (1 for every scale up to 2^1) give the value times
+    # 2^(s - 127), each product exact (bf16 multiplies keep subnormals).
+    _E2M1_ASM: tl.constexpr = tl.constexpr("\n".join(
+        ["{", ".reg .b32 t, s, a, b, f, g, u, z, nz, c;", "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;",
+         "mov.b32 c, 0x00800080;"]
+        + [line for sel, lo, hi in (("0x4140", "$0", "$2"), ("0x4342", "$1", "$3")) for line in (
+            f"prmt.b32 t, $4, z, {sel};", f"prmt.b32 s, $5, z, {sel};",  # [b0, 0, b1, 0], [s0, 0, s1, 0]
+            "min.u16x2 a, s, c;", "max.u16x2 b, s, c;",
+            "mad.lo.u32 f, a, 128, 0x3F003F00;", "mad.lo.u32 g, b, 128, 0xFF7FFF80;",
+            *(ins for out, mag, sign in ((lo, 6, 12), (hi, 2, 8)) for ins in (
+                f"shl.b32 u, t, {mag};", f"shl.b32 a, t, {sign};", "and.b32 u, u, 0x01C001C0;",
+                "lop3.b32 u, u, a, 0x80008000, 0xF8;",  # u | (a & 0x80008000)
+                "fma.rn.bf16x2 u, u, f, nz;", f"fma.rn.bf16x2 {out}, u, g, nz;")))]
+        + ["}"]))
+
+    @triton.jit
+    def _e2m1_bf16(codes, scales):
+        """bf16 (even, odd) column values of MXFP4 bytes ``codes`` (low nibble = even
+        column) with each byte's E8M0 scale ``scales`` (same shape, uint8), as
+        ``mxfp4_dequantize`` rounds them."""
+        return tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r", [codes, scales],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
     @triton.jit
     def _dot(a, b, acc, DOT_F32: tl.constexpr):
         if DOT_F32:
@@ -151,8 +180,10 @@ if triton is not None:
                 rs = k0 // 32 + tl.arange(0, BK // 32)
                 w = tl.load(w_ptr + rows[:, None] * KB + rb[None, :], mask=wmask_n[:, None], other=0)
                 s = tl.load(s_ptr + rows[:, None] * KS + rs[None, :], mask=wmask_n[:, None], other=127)
+                s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
+                even, odd = _e2m1_bf16(w, s)
                 x_t = tl.load(x_rows + rk[None, :], mask=xmask[:, None], other=0.0)
-                acc_t = tl.dot_scaled(w, s, "e2m1", tl.trans(x_t), None, "bf16", acc_t, fast_math=True)
+                acc_t = tl.dot(tl.reshape(tl.join(even, odd), [BN, BK]), tl.trans(x_t), acc_t)
             return tl.trans(acc_t)
 
     @triton.jit
@@ -275,23 +306,28 @@ def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tens
     [E, L, I / 32], upcast tile by tile in registers: the result is the op on the
     dequantised experts (bitwise on H200 at the default tiles: the same bf16 weights and
     dots)."""
-    if implementation(latent.device)[0] != "triton" or latent.dtype not in (torch.bfloat16, torch.float32):
+    if implementation(latent.device, w13_scale is not None)[0] != "triton" or \
+            latent.dtype not in (torch.bfloat16, torch.float32):
         return reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
     return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
 
 
 def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
             linear_beta: float, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
-            BM: int | None = None, BN: int | None = None, BK: int = 128, num_stages: int = 3,
+            BM: int | None = None, BN: int | None = None, BK: int | None = None, num_stages: int | None = None,
             num_warps: int = 4) -> Tensor:
     """The Triton implementation (MXFP4 weights when their scales are given); tile sizes
-    as arguments for the benchmark's sweep. BN defaults to 32 for bf16 (64 within 1%) and
-    64 for MXFP4 (its up tile is 2 BN rows of gate and up; 32 and 128 measured slower)."""
+    as arguments for the benchmark's sweep. Defaults, measured on H200
+    (``benchmarks/moe_experts.py``): bf16 BN 32 (64 within 1%), BK 128, 3 stages; MXFP4
+    BN 64 (its up tile is 2 BN rows of gate and up), BK 256, 1 stage (the upcast, not the
+    loads, is the limit: 8-30 % faster than BK 128 / 3 stages, BN 32 and 128 slower)."""
     T, top_k = topk_ids.shape
     E, two_i, L = w13.shape[0], w13.shape[1], latent.shape[1]
     I = two_i // 2
     mxfp4 = w13_scale is not None
     BN = BN or (64 if mxfp4 else 32)
+    BK = BK or (256 if mxfp4 else 128)
+    num_stages = num_stages or (1 if mxfp4 else 3)
     assert latent.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
     if mxfp4:  # the MXFP4 K loop has no mask along K: BK divides L and I
         BK = math.gcd(BK, L, I)

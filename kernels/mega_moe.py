@@ -58,7 +58,7 @@ def implementation(device: torch.device, hidden: int, intermediate: int, mxfp4: 
         deepgemm.unsupported(device, hidden, intermediate)
     if not why:
         return "deepgemm", "DeepGEMM fp8_fp4_mega_moe (MXFP4 experts, FP8 dispatch, NVLink exchange)"
-    impl, reason = experts.implementation(device)
+    impl, reason = experts.implementation(device, mxfp4)
     return impl, f"{reason}; not DeepGEMM MegaMoE: {why}"
 
 

@@ -88,7 +88,7 @@ def _route(g: fx.Graph, call: OpCall) -> tuple[fx.Node, str]:
     if call.op is kimi.ep_experts.default:
         impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2], mxfp4=bool(scales))
     else:
-        impl, why = expert_ffn.implementation(latent.device)
+        impl, why = expert_ffn.implementation(latent.device, bool(scales))
     common = (arg("w13"), arg("w2"))
     act = (arg("beta"), arg("linear_beta"), *scales)
     with g.inserting_before(node):

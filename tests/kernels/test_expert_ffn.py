@@ -139,3 +139,26 @@ def test_mxfp4_experts_are_the_experts_of_their_dequantised_weights(T, k, E, L, 
     err = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
     assert err.max() < 1e-2, f"row relative error {err.max():.2e}"
     assert ((got - want).abs() <= 2**-5 * want.abs().amax(1, keepdim=True) + 1e-6).all()
+
+
+def test_mxfp4_upcast_is_exact_for_every_e8m0_scale():
+    """E8M0 scales 100..160 (2^-27..2^33, beyond the 2^1 where a one-multiply upcast
+    overflows) and every code: the MXFP4 experts give what the same kernels give on their
+    dequantised bf16 experts, up to fp32 summation order."""
+    E, L, I = MX_SHAPES[0]
+    g = torch.Generator().manual_seed(7)
+
+    def packed(n, k):
+        return (torch.randint(0, 256, (E, n, k // 2), generator=g, dtype=torch.uint8).to(DEVICE),
+                torch.randint(100, 161, (E, n, k // 32), generator=g, dtype=torch.uint8).to(DEVICE))
+
+    (q13, s13), (q2, s2) = packed(2 * I, L), packed(L, I)
+    ids = torch.randint(0, E, (4, 2), generator=g, dtype=torch.int32).to(DEVICE)
+    weights = torch.rand(4, 2, generator=g).to(DEVICE)
+    latent = (torch.randn(4, L, generator=g) * 2.0**-40).to(DEVICE, torch.bfloat16)
+    got = torch.ops.kimi_kernels.expert_ffn(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
+    want = torch.ops.kimi_kernels.expert_ffn(latent, weights, ids, dequantize_experts(q13, s13),
+                                             dequantize_experts(q2, s2), 4.0, 25.0)
+    assert torch.isfinite(got).all()
+    err = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert err.max() < 1e-2, f"row relative error {err.max():.2e}"
