@@ -10,6 +10,8 @@ Matches and produces (M = rows, at most 64):
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
+    vLLM's MLA insert + decode pair (CPU backend)   kimi_kernels.mla_decode(ql_nope, q_pe, ...)
+      (passes/vllm_mla.py)
     kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
     kimi.dsa_decode(...)  (DSA, no DCP)             kimi_kernels.dsa_decode(...)
     kimi.attn_res(prefix, delta, bank, ...)         kimi_kernels.attn_res(prefix, delta, bank, ...)
@@ -23,15 +25,17 @@ The two fusions (patterns in ``gemm_neighbours``) happen only where the CuTe GEM
 the GEMM (``skinny_gemm.choose_fused``); elsewhere the GEMM is lowered alone.
 
 Each replacement computes the same function (the kernels' CPU references are the
-replaced ops; on CPU the lowered graph is bitwise the unlowered one). A GEMM with
-more than 64 rows, an unsupported dtype or shape, or a KDA layer the fused kernel does
-not cover stays as it was, and the report says why.
+replaced ops; on CPU the lowered graph is bitwise the unlowered one; for vLLM's KDA
+group and MLA pair they are stock's same math, equal to summation order). A GEMM with
+more than 64 rows, an unsupported dtype or shape, or a KDA layer or vLLM MLA pair the
+kernel does not cover stays as it was, and the report says why.
 
 Invariants. Relies on: ``meta["val"]`` of the matched nodes. Establishes: the same
 values and mutations (``auto_functionalized_v2`` around ``kimi.kda_decode`` /
-``kimi.mla_decode`` becomes one around the ``kimi_kernels`` op with the same bases); row
-layouts unchanged; decoder ops (attention cores, AttnRes) survive its dead-code removal
-even when unread, so the decoder still parses after it.
+``kimi.mla_decode``, or vLLM's insert + decode pair, becomes one around the
+``kimi_kernels`` op with the same bases); row layouts unchanged; decoder ops (attention
+cores, AttnRes) survive its dead-code removal even when unread, so the decoder still
+parses after it.
 
 Order: after hybrid_attention (so that replicated and sharded rows are final).
 """
@@ -50,7 +54,7 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from . import roles, vllm_kda
+from . import roles, vllm_kda, vllm_mla
 from .decoder import _between
 from .gemm_neighbours import rms_norm_of, situ_of
 from .graph import OpCall, TritonCall
@@ -129,9 +133,6 @@ class LowerKernels:
         decoder_calls = [r for l in dg.layers for r in (l.pre, l.post, l.core)] + ([dg.final] if dg.final else []) \
             + [c for c in dg.fragment if isinstance(c, roles.Core)]
         foreign = [c for c in decoder_calls if isinstance(c, roles.Core) and c.spelling != "kimi"]
-        mla = sorted({c.spelling for c in foreign if c.kind != "kda"})
-        if mla:
-            info.skipped.append(f"{', '.join(mla)} MLA / DSA cores kept (issue 17: not lowered yet)")
         dropped = set()  # replaced cores (decoder ops survive dead-code removal otherwise)
         lowered = {kk.kda_decode_paged.default}  # ours already (a second run of the pass)
         for core in [c for c in foreign if c.kind == "kda" and getattr(OpCall.of(c.node), "op", None) not in lowered]:
@@ -148,6 +149,15 @@ class LowerKernels:
                 continue
             per_node[_replace(dg, core, vllm_kda.lower(g, group, f_a=gemm[0], f_b=gemm[1]))] = "kda"
             dropped.add(core.node)
+            info.rewritten += 1
+        for core in [c for c in foreign if c.kind == "mla"]:
+            info.matched += 1
+            group = vllm_mla.bind(core.node)
+            why = group if isinstance(group, str) else mla_kernel.supported(group.latent, group.rope, group.dtype)
+            if why:
+                kept[f"MLA core ({core.spelling}): {why}"] += 1
+                continue
+            per_node[_replace(dg, core, vllm_mla.lower(g, group))] = "mla"
             info.rewritten += 1
         ours = [OpCall.of(c.node) for c in decoder_calls if c.spelling == "kimi"]
         for res in [c for c in decoder_calls if isinstance(c, roles.AttnRes) and c.spelling != "kimi"]:

@@ -1,11 +1,11 @@
 """vLLM 0.33.0's own Kimi K3 backbone on CPU (``kimi_inductor.vllm_cpu``): the graph it
 hands our passes, by role, at TP 1 and in the SP layout at TP 2 and 4; what our passes
-make of it (every layer into the hybrid step, every MoE through our EP op, the report,
-snapshots of a rewritten KDA and MLA layer); compiled with ``kimi_specialized`` against
-vLLM eager, at TP 1 and on 2 and 4 gloo ranks: bitwise with hybrid_attention, in the
-bf16 band with every pass (our experts, and our AttnRes kernel where chosen, round
-differently from vLLM's); vLLM's compilation modes 1 and 2, its AOT artifact saved and
-loaded.
+make of it (every layer into the hybrid step, every MoE through our EP op, the KDA and
+MLA cores through our kernels, the report, snapshots of a rewritten KDA and MLA layer);
+compiled with ``kimi_specialized`` against vLLM eager, at TP 1 and on 2 and 4 gloo ranks:
+bitwise with hybrid_attention, in the bf16 band with every pass (our experts, attention
+cores, and AttnRes kernel where chosen, round differently from vLLM's); vLLM's
+compilation modes 1 and 2, its AOT artifact saved and loaded.
 
 Snapshots: ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_vllm_graph.py -k snapshot``.
 
@@ -180,9 +180,62 @@ def tp1_capture_and_numerics(steps):
     vllm_cpu.restart(batch)
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
     result["graphs"], result["ops"] = len(graphs), vllm_cpu.op_counts(graphs[0])
+    result["rope_mla_report"] = lower_with_rope_mla(graphs[0])
+    result["mla_pair"] = mla_pair_against_ours()
     result.update(eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, ours_at_every_block,
                                                                                  EVERY_PASS)))
     return result
+
+
+def lower_with_rope_mla(gm):
+    """lower_kernels on a copy of ``gm`` whose first MLA insert is given a cos_sin_cache
+    (as a rotary MLA's would be): that pair must be kept, the other lowered."""
+    from kimi_inductor.config import Options
+    from kimi_inductor.passes.manager import KimiPasses
+    from kimi_inductor.passes.report import MatchReport
+
+    gm = copy_graph(gm)
+    insert = next(n for n in gm.graph.nodes if "auto_functionalized" in str(n.target)
+                  and f"functionalized:{n.args[0]._schema.name}" == MLA_INSERT)
+    table = next(n for n in gm.graph.nodes
+                 if n.op == "placeholder" and getattr(n.meta.get("val"), "dtype", None) == torch.float32)
+    insert.kwargs = {**insert.kwargs, "cos_sin_cache": table}
+    report = MatchReport()
+    KimiPasses(Options(passes=["lower_kernels"]), report)(gm.graph)
+    return report.to_dict()
+
+
+def mla_pair_against_ours():
+    """Per dtype (in the TP 1 child: vLLM's CPU shims installed, its _C stand-ins): vLLM's
+    MLA decode as its layer runs it (its query-concat + cache insert, then the CPU
+    backend's ``forward_mqa`` kernel) and ``kimi_kernels.mla_decode`` (its CPU reference)
+    on copies of one paged latent cache [9 blocks, 16, 512 + 64] (block 0: vLLM's null
+    block): 4 heads, requests at context 5 / 21 / 1 and a padding request (seq_len 0,
+    slot -1)."""
+    from vllm import _custom_ops
+    from vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache import (
+        fused_mla_decode_q_concat_kv_cache_insert)
+
+    from kimi_inductor import vllm_cpu
+    from kimi_inductor.kernels import mla_decode
+
+    N, L, R, block = 4, 512, 64, vllm_cpu.BLOCK_SIZE
+    seq_lens = torch.tensor([5, 21, 1, 0], dtype=torch.int32)
+    table = torch.tensor([[3, 0], [5, 2], [7, 0], [0, 0]], dtype=torch.int32)
+    pos = (seq_lens.long() - 1).clamp(min=0)
+    slots = torch.where(seq_lens > 0, table.long()[torch.arange(4), pos // block] * block + pos % block, -1)
+    scale, results = (128 + R) ** -0.5, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        r = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+        ql, q_pe, kv_c, k_pe, cache = r(4, N, L), r(4, N, R), r(4, L), r(4, R), r(9, block, L + R)
+        theirs, ours = cache.clone(), cache.clone()
+        mqa_q = fused_mla_decode_q_concat_kv_cache_insert(ql, q_pe, kv_c, k_pe.unsqueeze(1), theirs, slots)
+        want = torch.zeros(4, N, L, dtype=dtype)
+        _custom_ops.mla_decode_kvcache_cpu(want, mqa_q, theirs, scale, table, seq_lens)
+        got = mla_decode.mla_decode(ql, q_pe, kv_c, k_pe, ours, slots, table, seq_lens, scale)
+        results[str(dtype)] = want, got, theirs, ours, not torch.equal(theirs, cache)
+    return results
 
 
 def ours_at_every_block():
@@ -303,15 +356,16 @@ def test_tp1_vllm_eager_agrees_with_our_replica(tp1):
 def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
     """One rank: hybrid_attention has nothing to do; our EP op takes vLLM's MoE op
     (mega_moe); lower_kernels replaces vLLM's KDA core group (conv update, recurrence,
-    gated norm) by our fused kernel on vLLM's paged states, keeps vLLM's AttnRes kernel
+    gated norm) by our fused kernel on vLLM's paged states and vLLM's MLA insert +
+    decode pair by our MLA op on its paged latent cache, keeps vLLM's AttnRes kernel
     (faster on H200) unless told ours is faster, then swaps it. The bf16 band over 8
     steps either way; one graph each, compiled once."""
     assert [len(r) for r in tp1["reports"]] == [1, 1] and len(tp1["eager"]) == 8
     kept, swapped = (r[0] for r in tp1["reports"])
-    for layer in kept["layers"]:  # layer 0 is dense; KDA cores lowered (ours is faster on H200), MLA kept
-        lowered = ["lower_kernels"] * (layer["kind"] == "kda")
-        assert layer["spelling"] == "vllm" and layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0) + lowered
-        assert ("fused KDA x1" in layer["notes"]["kernels"]) == bool(lowered), layer
+    for layer in kept["layers"]:  # layer 0 is dense; KDA and MLA cores lowered
+        assert layer["spelling"] == "vllm"
+        assert layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0) + ["lower_kernels"], layer
+        assert {"kda": "fused KDA x1", "mla": "MLA core x1"}[layer["kind"]] in layer["notes"]["kernels"], layer
     lowered = next(p for p in kept["passes"] if p["name"] == "lower_kernels")
     assert any("AttnRes (vllm): vLLM's Triton kernel is as fast or faster on H200" in s for s in lowered["skipped"])
     for layer in swapped["layers"]:
@@ -320,6 +374,16 @@ def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
     assert kept["layout"] == "single"
     for compiled in tp1["compiled"]:
         assert_in_band(tp1["eager"], compiled)
+
+
+def test_a_rotary_mla_pair_is_kept_with_the_reason(tp1):
+    """vLLM's MLA insert given a cos_sin_cache (RoPE in the insert; K3's MLA is NoPE):
+    lower_kernels keeps that pair and says why, and lowers the other MLA layer."""
+    report = tp1["rope_mla_report"]
+    lowered = next(p for p in report["passes"] if p["name"] == "lower_kernels")
+    assert any(s.startswith("1 x kept: MLA core (vllm): its insert applies RoPE") for s in lowered["skipped"]), lowered
+    mla = [l for l in report["layers"] if l["kind"] == "mla"]
+    assert ["MLA core x1" in l["notes"]["kernels"] for l in mla] == [False, True]
 
 
 def test_docs_list_every_shim(tp1):
@@ -358,10 +422,10 @@ def test_every_layer_of_vllms_sp_graph_becomes_the_hybrid_step(captured, tp):
     report = captured(tp)["report"]
     assert report["decoder"] and report["layout"] == "sp" and report["layout_after"] == "hybrid"
     assert [l["kind"] for l in report["layers"]] == ["kda"] * KDA_LAYERS + ["mla"] * MLA_LAYERS
-    for layer in report["layers"]:  # and lower_kernels' fused KDA on vLLM's KDA core groups
+    for layer in report["layers"]:  # and lower_kernels' fused KDA / our MLA op on vLLM's attention cores
         assert layer["spelling"] == "vllm", layer
-        assert layer["rewritten_by"] == ["hybrid_attention"] + ["mega_moe"] * (layer["index"] > 0) + \
-            ["lower_kernels"] * (layer["kind"] == "kda")
+        assert layer["rewritten_by"] == ["hybrid_attention"] + ["mega_moe"] * (layer["index"] > 0) + ["lower_kernels"]
+        assert {"kda": "fused KDA x1", "mla": "MLA core x1"}[layer["kind"]] in layer["notes"]["kernels"], layer
     assert all("kimi_vllm.mega_moe" in l["notes"]["moe"] for l in report["layers"][1:])
     assert "dense MLP on all rows (row-local)" in report["layers"][0]["reason"]
     assert all("MoE on the rank's row shard" in l["reason"] for l in report["layers"][1:])
@@ -544,7 +608,7 @@ def test_modes_1_and_2_compile_through_vllm_and_mode_2_saves_and_loads(tmp_path)
 def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     """2 ranks, T = 3 (an SP pad row and a padding request), 8 steps: the hybrid step is
     bitwise vLLM's SP forward; with every pass (the MoE through our EP op over vLLM's EP
-    group, the KDA cores through our fused kernel), the bf16 band."""
+    group, the KDA and MLA cores through our kernels), the bf16 band."""
     from kimi_inductor.launch import run_ranks
 
     results = run_ranks(gloo_rank, 2, 2, ROWS, 8)
@@ -553,10 +617,9 @@ def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     for rank in results:
         hybrid, every = rank["reports"]
         assert len(hybrid) == 1 and hybrid[0]["layout_after"] == "hybrid"
-        kda = ["lower_kernels"]  # vLLM's KDA core groups -> our fused kernel
+        lowered = ["lower_kernels"]  # vLLM's KDA core groups and MLA pairs -> our kernels
         assert [l["rewritten_by"] for l in every[0]["layers"]] == (
-            [["hybrid_attention", *kda]] + [["hybrid_attention", "mega_moe", *kda]] * (KDA_LAYERS - 1)
-            + [["hybrid_attention", "mega_moe"]] * MLA_LAYERS)
+            [["hybrid_attention", *lowered]] + [["hybrid_attention", "mega_moe", *lowered]] * (L - 1))
         assert_bitwise(rank["eager"], rank["compiled"][0])
         assert_in_band(rank["eager"], rank["compiled"][1])
     for a, b in zip(results[0]["eager"], results[1]["eager"]):  # the final all-gather: every rank holds all rows
@@ -635,3 +698,16 @@ def test_our_paged_kda_op_computes_vllms_kda_decode_group(dtype):
     torch.testing.assert_close(state, want_state, rtol=0, atol=atol)
     assert torch.equal(ours[:, conv_bytes + rec_bytes:], theirs[:, conv_bytes + rec_bytes:])
     assert torch.equal(ours[0], theirs[0])
+
+
+def test_our_mla_op_computes_vllms_mla_decode_pair(tp1):
+    """What lower_kernels puts in place of vLLM's MLA insert + decode pair
+    (passes/vllm_mla.py) computes what the pair computes on vLLM's cache layout: the
+    cache bitwise (the new rows at their slots, the padding slot -1 not written), the
+    output in fp32 to summation order and in bf16 within a bf16 rounding, zeros for the
+    padding request."""
+    for dtype, (want, got, theirs, ours, written) in tp1["mla_pair"].items():
+        assert written and torch.equal(ours, theirs), dtype
+        fp32 = dtype == "torch.float32"
+        torch.testing.assert_close(got, want, rtol=1e-5 if fp32 else 2 ** -7, atol=1e-5 if fp32 else 1e-2)
+        assert not want[3].any() and not got[3].any()

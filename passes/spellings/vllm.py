@@ -14,7 +14,9 @@ module needs neither vLLM nor its CUDA extension to be importable.
               that follows the conv update; q is not visible in the call; and
               ``kimi_kernels::kda_decode_paged``, ours in place of the group (``passes/vllm_kda.py``)
     MLA       ``_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (the q concat and
-              cache insert that starts every MLA decode core)
+              cache insert that starts every MLA decode core); ours in place of the
+              insert + decode pair (``passes/vllm_mla.py``) is ``kimi_kernels::mla_decode``,
+              read by the kimi spelling
     RMSNorm   ``vllm_ir::rms_norm(x, weight, epsilon)``; SiTU-GLU ``_C::situ_and_mul(out,
               input, beta, linear_beta)`` (the fusions of a norm / SiTU with their GEMM)
     experts   ``vllm::moe_forward_shared`` / ``vllm::moe_forward``: the whole MoE (top-k,
