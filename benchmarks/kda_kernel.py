@@ -28,6 +28,7 @@ from common import Results, floor_us, graph_time_us, vllm_kernel_module  # noqa:
 from test_kda_decode import inputs  # noqa: E402
 
 import kimi_inductor.kernels.kda_decode as K  # noqa: E402
+from kimi_inductor.kernels.common import pdl  # noqa: E402
 
 
 def fla_recurrence(R: int, q: int, H: int, D: int, state: torch.Tensor):
@@ -103,7 +104,7 @@ def main(argv=None) -> Results:
                     kargs = K.kernel_args(**{k: x[k] for k in names}, out=out, lower_bound=-5.0, norm_eps=1e-5, nv=nv)
                     row[f"ours_w{w}_nv{nv}_us"] = graph_time_us(
                         lambda i: K._kda_decode_kernel[(R, H, nv)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
-                                                                   NV=nv, num_warps=w))
+                                                                   NV=nv, num_warps=w, **pdl(out.device)))
             row["v_split"] = K.v_split(R, H)
             if vllm and q == 1:
                 row["vllm_core_us"] = graph_time_us(lambda i: vllm(x))

@@ -1,5 +1,6 @@
 """What our Triton kernels share: whether Triton is here, whether it interprets (CPU,
-``TRITON_INTERPRET=1``), and stock's bf16 rounding done exactly.
+``TRITON_INTERPRET=1``), stock's bf16 rounding done exactly, and programmatic dependent
+launch (PDL).
 
 Triton is optional (a dependency only where its wheels exist: Linux x86_64). Without
 it every name below still imports (``triton``, ``tl`` and ``bf16_round`` are None)
@@ -7,7 +8,10 @@ and each op dispatches to its CPU reference."""
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 SMS = 132  # streaming multiprocessors of the H200 the launch heuristics were measured on
 
@@ -19,8 +23,31 @@ try:
 except ImportError:  # CPU machines without Triton use the references
     triton, tl, INTERPRET = None, None, False
 
-bf16_round = None
+bf16_round = pdl_wait = None
+
+
+@functools.lru_cache
+def pdl(device) -> dict:
+    """Launch options for a decode kernel on ``device``: on SM90+ GPUs programmatic
+    dependent launch (the kernel may be scheduled while the one before it in the stream
+    or CUDA graph still runs, and waits in ``pdl_wait`` for its results), else none.
+    ``KIMI_INDUCTOR_PDL=0`` turns it off (to measure what it gives)."""
+    on = (triton is not None and not INTERPRET and device.type == "cuda"
+          and os.environ.get("KIMI_INDUCTOR_PDL", "1") != "0")
+    on = on and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
 if triton is not None:
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """First statement of a kernel launched with ``pdl``: wait until the grids it
+        depends on have finished and their writes are visible (nothing before it may read
+        or write memory), then let the next kernel be scheduled."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def bf16_round(x, ROUND: tl.constexpr):

@@ -41,7 +41,7 @@ from torch import Tensor
 from kimi_inductor.stock.mxfp4 import expert_weights
 from kimi_inductor.stock.moe import combine_experts
 
-from .common import INTERPRET, bf16_round, tl, triton
+from .common import INTERPRET, pdl, pdl_wait, bf16_round, tl, triton
 
 NAMESPACE = "kimi_kernels"
 
@@ -189,7 +189,8 @@ if triton is not None:
     @triton.jit
     def _up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta,
                    linear_beta, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr):
+                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
         if count == 0:
@@ -231,7 +232,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, L, I,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                     ROUND: tl.constexpr, MXFP4: tl.constexpr):
+                     ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
         if count == 0:
@@ -263,7 +265,9 @@ if triton is not None:
                      mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _combine_kernel(y_ptr, position_ptr, out_ptr, L, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _combine_kernel(y_ptr, position_ptr, out_ptr, L, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         cmask = cols < L
@@ -339,13 +343,15 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
     tiles = dict(BM=BM or block_rows(pairs, E), BN=BN, BK=BK)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, num_warps=num_warps, num_stages=num_stages)
+                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, num_warps=num_warps, num_stages=num_stages,
+                 **pdl(latent.device))
     _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order, starts,
                                         counts, h, L, I, beta, linear_beta, TOP_K=top_k, **tiles, **flags)
     _down_kernel[(E, triton.cdiv(L, BN))](h, w2, w2_scale if mxfp4 else w2, topk_weights.contiguous().view(-1),
                                           order, starts, counts, y, L, I, **tiles, **flags)
     block = 512
-    _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block)
+    _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block,
+                                                **pdl(latent.device))
     return out
 
 

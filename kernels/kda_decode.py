@@ -43,7 +43,7 @@ import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.state import check_q
 
-from .common import INTERPRET, SMS, bf16_round, tl, triton
+from .common import INTERPRET, pdl, pdl_wait, SMS, bf16_round, tl, triton
 
 NAMESPACE = "kimi_kernels"
 
@@ -69,8 +69,9 @@ if triton is not None:
         cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr,
+        NV: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         r = tl.program_id(0)
         h = tl.program_id(1)
         BV: tl.constexpr = D // NV
@@ -235,7 +236,7 @@ def kda_decode(
         recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, num_warps=4)  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 

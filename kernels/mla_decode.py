@@ -52,7 +52,7 @@ from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.mla import write_cache
 from kimi_inductor.stock.state import tokens_per_request
 
-from .common import INTERPRET, SMS, bf16_round, tl, triton
+from .common import INTERPRET, SMS, pdl, pdl_wait, bf16_round, tl, triton
 from . import dsa_index
 
 NAMESPACE = "kimi_kernels"
@@ -80,7 +80,8 @@ if triton is not None:
                           acc_ptr, ml_ptr, N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
                           L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
                           BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, HAS_LIST: tl.constexpr,
-                          DOT_F32: tl.constexpr, ROUND: tl.constexpr):
+                          DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         r = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # (token j, head n) pairs of request r
         split = tl.program_id(2)
@@ -148,7 +149,8 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lse_ptr, nrows, n_split, L: tl.constexpr,
-                        WITH_LSE: tl.constexpr):
+                        WITH_LSE: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0)
         dl = tl.arange(0, L)
         top = tl.load(ml_ptr + row * 2)  # split 0; runtime loops: no unrolling over splits
@@ -240,8 +242,9 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
         plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
         L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
         HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
-        ROUND=ql_nope.dtype == torch.bfloat16, num_warps=max(4, bm // 4), num_stages=num_stages)
-    _combine_kernel[(T * N,)](acc, ml, out, lse, T * N, n_split, L=L, WITH_LSE=with_lse)
+        ROUND=ql_nope.dtype == torch.bfloat16, num_warps=max(4, bm // 4), num_stages=num_stages,
+        **pdl(ql_nope.device))
+    _combine_kernel[(T * N,)](acc, ml, out, lse, T * N, n_split, L=L, WITH_LSE=with_lse, **pdl(ql_nope.device))
     return (out, lse) if with_lse else out
 
 

@@ -73,7 +73,7 @@ def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4):
     from kimi_inductor.kernels import expert_ffn
 
     weight = "*u8" if mxfp4 else "*bf16"
-    tiles = {"BM": 16, "BN": 32, "BK": 128, "DOT_F32": False, "ROUND": True, "MXFP4": mxfp4}
+    tiles = {"BM": 16, "BN": 32, "BK": 128, "DOT_F32": False, "ROUND": True, "MXFP4": mxfp4, "PDL": True}
     up = {"x_ptr": "*bf16", "stride_x": "i32", "w13_ptr": weight, "s13_ptr": "*u8" if mxfp4 else weight,
           "order_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32", "h_ptr": "*bf16", "L": "i32", "I": "i32",
           "beta": "fp32", "linear_beta": "fp32", "TOP_K": "constexpr", **{k: "constexpr" for k in tiles}}
@@ -85,6 +85,7 @@ def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4):
         compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=SM90,
                                   options={"num_warps": 4, "num_stages": 3})
         assert ".target sm_90" in compiled.asm["ptx"]
+        assert "griddepcontrol.wait" in compiled.asm["ptx"]  # launched with programmatic dependent launch
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
@@ -101,7 +102,7 @@ def test_kda_kernel_compiles_for_sm90(nv):
     ints = ("stride_qkv", "stride_fa", "stride_g2", "stride_beta", "stride_conv_s", "stride_conv_r", "stride_rec_s",
             "stride_out")
     params = kda_decode._kda_decode_kernel.arg_names
-    constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv}
+    constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv, "PDL": True}
     sig = {name: ptrs.get(name) or ("i32" if name in ints else "fp32" if name in ("lower_bound", "eps")
                                     else "constexpr") for name in params}
     compiled = triton.compile(ASTSource(kda_decode._kda_decode_kernel, sig, constexprs=constexprs), target=SM90,
