@@ -9,7 +9,8 @@ Per rank and layer, at R rows (q = 1):
     experts     the slowest rank's experts: E[max over the 8 EP ranks of the distinct
                 experts R rows pick there] (uniform top-16 of 896, simulated) x our
                 grouped kernel's time per active expert at EP 8 shapes
-                (``moe_experts_h200_v1``, 112 local experts)
+                (``moe_experts_h200_v1``, 112 local experts; ``sharded_mxfp4``: the same
+                with the checkpoint's MXFP4 experts, ``moe_experts_mxfp4_h200_v4``)
     collectives NCCL in CUDA graphs, measured on 2 x H200 (kernels_and_limits.md 1.3;
                 TP 8 not measured): attention all-reduce + the MoE's (row shard: EP
                 dispatch all-gather, combine reduce-scatter, output all-gather; sharded:
@@ -17,7 +18,8 @@ Per rank and layer, at R rows (q = 1):
 
 Token = 68 KDA + 24 MLA MoE layers + layer 0 (KDA, dense MLP at its TP 8 byte floor);
 the embedding, final norm and LM head are left out. ``row_shard`` is main before
-sharded_moe; ``sharded`` is main now.
+sharded_moe; ``sharded`` is main now (bf16 experts); ``sharded_mxfp4`` is main now with
+the released checkpoint's MXFP4 experts.
 
     python benchmarks/project_token.py [--json X] [--plot PNG]
 
@@ -70,16 +72,21 @@ def project(R: int) -> dict:
     moe = {layout: _at(_rows("moe_sharding_h200_v1.json"), R, f"{layout}_us") for layout in ("row_shard", "sharded")}
     ex = [r for r in _rows("moe_experts_h200_v1.json") if r["experts"] == 112 and r["rows"] == R]
     per_expert = ex[0]["ours_us"] / ex[0]["active_experts"]
+    mx = [r for r in _rows("moe_experts_mxfp4_h200_v4.json") if r["experts"] == 112 and r["rows"] == R]
+    per_expert_mxfp4 = mx[0]["mxfp4_us"] / mx[0]["active_experts"]
     slowest = slowest_rank_experts(R)
     experts = per_expert * slowest
     coll = COLLECTIVE_US[R]
     dense_mlp = 3 * 7168 * (18432 // 8) * 2 / HBM * 1e6  # layer 0's TP 8 dense MLP at its byte floor
     out = dict(rows=R, kda_attention_us=kda, mla_attention_us=mla, attn_res_us=attn_res, experts_us=experts,
-               slowest_rank_experts=slowest, us_per_expert=per_expert, collective_us=coll)
-    for layout, moe_collectives in (("row_shard", 3), ("sharded", 2)):
-        moe_layer = attn_res + moe[layout] + experts + (1 + moe_collectives) * coll
+               slowest_rank_experts=slowest, us_per_expert=per_expert, us_per_expert_mxfp4=per_expert_mxfp4,
+               collective_us=coll)
+    for name, layout, moe_collectives, ex_us in (("row_shard", "row_shard", 3, experts),
+                                                 ("sharded", "sharded", 2, experts),
+                                                 ("sharded_mxfp4", "sharded", 2, per_expert_mxfp4 * slowest)):
+        moe_layer = attn_res + moe[layout] + ex_us + (1 + moe_collectives) * coll
         token = 68 * (kda + moe_layer) + 24 * (mla + moe_layer) + kda + attn_res + dense_mlp + coll
-        out[layout] = dict(moe_nonexpert_us=moe[layout], collectives_us=(1 + moe_collectives) * coll,
+        out[name] = dict(moe_nonexpert_us=moe[layout], experts_us=ex_us, collectives_us=(1 + moe_collectives) * coll,
                            kda_layer_us=kda + moe_layer, mla_layer_us=mla + moe_layer,
                            token_ms=token / 1e3, tokens_per_s=1e6 / token)
     out["speedup"] = out["row_shard"]["token_ms"] / out["sharded"]["token_ms"]
@@ -123,9 +130,9 @@ def main(argv=None) -> list[dict]:
         print(f"R={r['rows']:3d}: attention KDA {r['kda_attention_us']:.1f} / MLA {r['mla_attention_us']:.1f}, "
               f"AttnRes {r['attn_res_us']:.1f}, experts {r['experts_us']:.1f} ({r['slowest_rank_experts']:.1f} on "
               f"the slowest rank x {r['us_per_expert']:.1f}), collective {r['collective_us']:.1f} us")
-        for layout in ("row_shard", "sharded"):
+        for layout in ("row_shard", "sharded", "sharded_mxfp4"):
             v = r[layout]
-            print(f"    {layout:9s}: MoE non-expert {v['moe_nonexpert_us']:.1f}, KDA layer {v['kda_layer_us']:.1f}, "
+            print(f"    {layout:13s}: experts {v['experts_us']:.1f}, MoE non-expert {v['moe_nonexpert_us']:.1f}, KDA layer {v['kda_layer_us']:.1f}, "
                   f"MLA layer {v['mla_layer_us']:.1f} us -> token {v['token_ms']:.2f} ms, "
                   f"{v['tokens_per_s']:.1f} tokens/s per user")
         print(f"    sharded vs row shard: {r['speedup']:.2f}x")
