@@ -153,10 +153,10 @@ if triton is not None:
                       BK: tl.constexpr, DOT_F32: tl.constexpr):
         """x[:, :K] W[rows]^T -> [BM, BN] fp32 for an MXFP4 W [N, K / 2 bytes] + scales [N, K / 32].
 
-        bf16 x: ``tl.dot_scaled`` with the weight as the left operand (W x^T: the weight tile
-        [BN, BK / 2] is read as stored, K-contiguous, and upcast to bf16 in registers; the
-        few rows of x are the right operand), transposed once at the end. fp32 x (and the
-        interpreter, which has no dot_scaled): the tiles dequantised here, as even- and
+        bf16 x (SM90): the weight as the left operand (W x^T: the weight tile [BN, BK / 2] is
+        read as stored, K-contiguous, upcast to bf16 in registers by ``_e2m1_bf16``; the few
+        rows of x are the right operand), transposed once at the end. fp32 x (and the
+        interpreter, which has no inline PTX): the tiles dequantised here, as even- and
         odd-column halves, and two fp32 dots."""
         if DOT_F32:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
