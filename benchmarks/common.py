@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from kimi_inductor.kernels.common import pdl
 from kimi_inductor.kernels.skinny_gemm import cute_available
 
 HBM = 4.28e12  # bytes/s, device-to-device copy on H200 (kernels_and_limits.md)
@@ -59,6 +60,7 @@ class Results:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "cute_dsl": cute_available() or "available",  # the skinny GEMMs fall back to cuBLAS without it
+            "pdl": torch.cuda.is_available() and pdl(torch.device("cuda"))["PDL"],  # our kernels' launches
         }
         if torch.cuda.is_available() and self.meta["cute_dsl"] != "available":
             print(f"note: {self.meta['cute_dsl']}; kimi_specialized's skinny GEMMs run on cuBLAS", flush=True)

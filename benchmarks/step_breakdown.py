@@ -13,7 +13,11 @@ to a part of the model by its position in the stream: our AttnRes kernel runs ex
 
 with AttnRes itself ("attn_res") and NCCL kernels ("collectives") counted wherever they
 run. The parts sum to the step's kernel time; the CUDA-graph replay time of the same
-step minus that sum is the idle time between kernels.
+step minus that sum is the idle time between kernels. With programmatic dependent
+launch (our Triton kernels on SM90, ``kernels/common.py::pdl``) a kernel starts early and
+its duration includes its wait for the one before it, so the parts overlap and their sum
+can exceed the replay time; ``KIMI_INDUCTOR_PDL=0`` gives a disjoint split (each result
+file's ``meta.pdl`` says which).
 
     python benchmarks/step_breakdown.py OUT.png STEP.json [STEP.json ...]  # the plot
 """
