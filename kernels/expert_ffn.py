@@ -342,16 +342,16 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     y = torch.empty(pairs, L, dtype=torch.float32, device=latent.device)
     out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
     tiles = dict(BM=BM or block_rows(pairs, E), BN=BN, BK=BK)
+    launch = pdl(latent.device)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
                  ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, num_warps=num_warps, num_stages=num_stages,
-                 **pdl(latent.device))
+                 **launch)
     _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order, starts,
                                         counts, h, L, I, beta, linear_beta, TOP_K=top_k, **tiles, **flags)
     _down_kernel[(E, triton.cdiv(L, BN))](h, w2, w2_scale if mxfp4 else w2, topk_weights.contiguous().view(-1),
                                           order, starts, counts, y, L, I, **tiles, **flags)
     block = 512
-    _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block,
-                                                **pdl(latent.device))
+    _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block, **launch)
     return out
 
 

@@ -236,6 +236,7 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     plist, counts = listed if listed is not None else (block_table, seq_lens)
     R_DIM = q_pe.shape[-1]
     assert ql_nope.stride(2) == 1 and q_pe.stride(2) == 1 and kv_cache.is_contiguous()
+    launch = pdl(ql_nope.device)
     _mla_split_kernel[(R, groups, n_split)](
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache,
         block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0,
@@ -243,8 +244,8 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
         L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
         HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
         ROUND=ql_nope.dtype == torch.bfloat16, num_warps=max(4, bm // 4), num_stages=num_stages,
-        **pdl(ql_nope.device))
-    _combine_kernel[(T * N,)](acc, ml, out, lse, T * N, n_split, L=L, WITH_LSE=with_lse, **pdl(ql_nope.device))
+        **launch)
+    _combine_kernel[(T * N,)](acc, ml, out, lse, T * N, n_split, L=L, WITH_LSE=with_lse, **launch)
     return (out, lse) if with_lse else out
 
 
