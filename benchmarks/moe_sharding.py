@@ -18,9 +18,13 @@ work. Collectives are not timed either (one GPU): the row shard has three per la
 two all-reduces; ``kernels_and_limits.md`` 1.3 has their measured 2 x H200 latencies.
 Each layout is one function compiled by Inductor (``torch.compile``, same settings for
 both) and timed in a CUDA graph (``common.graph_time_us``); the floor is its weight
-bytes at 4.28 TB/s.
+bytes at 4.28 TB/s. A third column, ``kimi``: the sharded layer as ``lower_kernels``
+emits it (``kimi_kernels.moe_in`` up to 8 rows, else the router and latent on
+``skinny_mm`` and the gate / up blocks on cuBLAS; the routing ops compiled by Inductor;
+``kimi_kernels.moe_out``), its output checked against the sharded form's. ``--sweep``
+also times the two ops' configurations alone.
 
-    python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --json X
+    python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --sweep --json X
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
 
+from kimi_inductor.kernels import moe_projections, skinny_gemm  # noqa: E402
 from kimi_inductor.stock.config import KimiK3Config  # noqa: E402
 from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
 from kimi_inductor.stock.moe import router_logits, select_experts  # noqa: E402
@@ -67,6 +72,58 @@ def layer(x, y, w, cfg, shared_cols=None, latent_cols=None):
     return torch.addmm(shared, normed, w["up"][:, la:lb].t()), z, weights, ids
 
 
+def kimi_layer(x, y, w, cfg, shard, shards):
+    """The sharded layer as lower_kernels emits it (rank ``shard`` of ``shards``)."""
+    kk = torch.ops.kimi_kernels
+    situ = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    if x.shape[0] <= moe_projections.MAX_ROWS_IN:
+        logits, z, h = kk.moe_in(x, w["gate"], w["down"], w["gate_up"], shard, shards, *situ)
+    else:
+        logits = kk.skinny_mm(x, w["gate"], None, torch.float32)
+        z = kk.skinny_mm(x, w["down"], None, x.dtype)
+        D = w["gate_up"].shape[0] // 2
+        a, width = moe_projections.blocks(D, shard, shards)
+        h = situ_and_mul(torch.cat([x @ w["gate_up"][a:a + width].t(), x @ w["gate_up"][D + a:D + a + width].t()],
+                                   1), *situ)
+    weights, ids = select_experts(logits, w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize,
+                                  cfg.routed_scaling_factor)
+    out = kk.moe_out(h, y, w["norm"], cfg.rms_norm_eps, w["shared_down"], w["up"], shard, shards)
+    return out, z, weights, ids
+
+
+def sweep(res, x, y, w, cfg, G):
+    """Each op alone over its configurations (rank 0's blocks), best first per row count."""
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    situ = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    M = x.shape[0]
+    rows = []
+    if M <= moe_projections.MAX_ROWS_IN and not skinny_gemm.cute_available():
+        for r in (1, 2):
+            for warps in (4, 8):
+                for unroll in (2, 4):
+                    c = cute_gemv.Config(r, warps, 1, unroll)
+                    if M * 2 * r > 32:
+                        continue
+                    t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G,
+                                                                     situ, c), calls=10, replays=5)
+                    rows.append(dict(op="moe_in", config=list(c), us=t))
+    for bn in (16, 32):
+        for bk in (128, 256):
+            for stages in (2, 4):
+                for warps in (4,):
+                    c = dict(BM=max(16, 1 << (M - 1).bit_length()), BN=bn, BK=bk, num_warps=warps,
+                             num_stages=stages)
+                    h = x[:, :w["shared_down"].shape[1] // G].contiguous()
+                    t = graph_time_us(lambda i: moe_projections._run_out(
+                        h, y, w["norm"], cfg.rms_norm_eps, w["shared_down"], w["up"], 0, G, c), calls=10, replays=5)
+                    rows.append(dict(op="moe_out", config=c, us=t))
+    best = {op: min((r for r in rows if r["op"] == op), key=lambda r: r["us"]) for op in ("moe_in", "moe_out")
+            if any(r["op"] == op for r in rows)}
+    res.add(rows=M, sweep_best=best, sweep=sorted(rows, key=lambda r: (r["op"], r["us"])), echo=False)
+    print(M, best, flush=True)
+
+
 def partial_sum_error(x, y, w, cfg, G) -> float:
     """Largest row error of the G ranks' partial outputs summed (what the all-reduce
     computes) against the unsharded layer on the same rows (both bf16)."""
@@ -80,6 +137,7 @@ def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 32, 64])
     p.add_argument("--ranks", type=int, default=8, help="G, the TP group")
+    p.add_argument("--sweep", action="store_true", help="also time moe_in / moe_out configurations alone")
     p.add_argument("--json")
     args = p.parse_args(argv)
     cfg = KimiK3Config.preset("kimi-k3")
@@ -100,6 +158,7 @@ def main(argv=None) -> Results:
     r, Ds, Ls = 0, D // G, L // G
     sharded = torch.compile(lambda x, y: layer(x, y, w, cfg, (r * Ds, (r + 1) * Ds), (r * Ls, (r + 1) * Ls)),
                             dynamic=False)
+    kimi = torch.compile(lambda x, y: kimi_layer(x, y, w, cfg, r, G), dynamic=False)
     res = Results("moe_sharding")
     res.meta.update(ranks=G, hidden=H, latent=L, shared_width=D, router_experts=E,
                     weight_bytes=dict(row_shard=whole, sharded=sharded_bytes))
@@ -110,11 +169,18 @@ def main(argv=None) -> Results:
         with torch.no_grad():
             t_row = graph_time_us(lambda i: row_shard(xs[c], ys[c]), calls=10, replays=5)
             t_sh = graph_time_us(lambda i: sharded(xs[T], ys[T]), calls=10, replays=5)
+            t_kimi = graph_time_us(lambda i: kimi(xs[T], ys[T]), calls=10, replays=5)
             err = partial_sum_error(xs[T], ys[T], w, cfg, G)
+            want, got = sharded(xs[T], ys[T]), kimi(xs[T], ys[T])
+            kimi_err = float(((got[0] - want[0]).float().norm(dim=-1) / want[0].float().norm(dim=-1)).max())
+            same_ids = bool(torch.equal(got[3].sort(-1).values, want[3].sort(-1).values))
         fl_row, fl_sh = floor_us(whole), floor_us(sharded_bytes)
         res.add(rows=T, shard_rows=c, row_shard_us=t_row, sharded_us=t_sh, ratio=t_sh / t_row,
                 row_shard_floor_us=fl_row, sharded_floor_us=fl_sh, row_shard_x_floor=t_row / fl_row,
-                sharded_x_floor=t_sh / fl_sh, partial_sum_rel_err=err)
+                sharded_x_floor=t_sh / fl_sh, partial_sum_rel_err=err, kimi_us=t_kimi, kimi_x_floor=t_kimi / fl_sh,
+                kimi_vs_row_shard=t_kimi / t_row, kimi_rel_err=kimi_err, kimi_same_experts=same_ids)
+        if args.sweep:
+            sweep(res, xs[T], ys[T], w, cfg, G)
     if args.json:
         res.dump(args.json)
     return res

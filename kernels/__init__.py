@@ -8,6 +8,7 @@ the Hugging Face ``kernels`` package); registering again from there would replac
 ops and invalidate every ``torch.ops.kimi_kernels`` object the passes hold."""
 
 if __name__ == "kimi_inductor.kernels":
-    from . import attn_res, dsa_index, expert_ffn, kda_decode, mega_moe, mla_decode, skinny_gemm
+    from . import attn_res, dsa_index, expert_ffn, kda_decode, mega_moe, mla_decode, moe_projections, skinny_gemm
 
-    __all__ = ["attn_res", "dsa_index", "expert_ffn", "kda_decode", "mega_moe", "mla_decode", "skinny_gemm"]
+    __all__ = ["attn_res", "dsa_index", "expert_ffn", "kda_decode", "mega_moe", "mla_decode", "moe_projections",
+               "skinny_gemm"]

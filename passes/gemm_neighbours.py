@@ -1,4 +1,5 @@
-"""The RMSNorm before a GEMM and the SiTU-GLU after one, as post-grad (aten) patterns.
+"""A linear layer's GEMM, the RMSNorm before one and the SiTU-GLU after one, as post-grad
+(aten) patterns.
 
 Inductor pattern-matcher patterns of stock's functions as AOTAutograd decomposes them
 (``stock.attn_res.rms_norm``, ``stock.layers.situ_and_mul``), and a spelling's RMSNorm op
@@ -9,7 +10,8 @@ into one CuTe GEMV (``kimi_kernels.rms_norm_mm`` / ``mm_situ``).
     rms_norm(x, w, eps)   mul(bf16(mul(xf, rsqrt(add(mean(pow(xf, 2), [-1], True), eps)))), w)
                           with xf = f32(x)
     situ_and_mul(h, b, l) dt(mul(mul(mul(tanh(div(g, b)), b), sigmoid(g)), mul(tanh(div(u, l)), l)))
-                          with g = f32(h[:, :d]), u = f32(h[:, d:])
+                          with g = f32(h[:, :d]), u = f32(h[:, d:]) (or g, u = f32(gate), f32(up):
+                          sharded_moe's two row-block GEMMs, ``situ_pair_of``)
 """
 
 from __future__ import annotations
@@ -25,6 +27,45 @@ from . import roles
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
+def _weight(node) -> fx.Node | None:
+    """W when ``node`` is ``permute(W, [1, 0])`` (the transposed view linear uses)."""
+    if isinstance(node, fx.Node) and node.target is aten.permute.default and list(node.args[1]) == [1, 0]:
+        return node.args[0]
+    return None
+
+
+def _source(node, dtype: torch.dtype):
+    """x when ``node`` is ``convert_element_type(x, dtype)``."""
+    if isinstance(node, fx.Node) and node.target is prims.convert_element_type.default and node.args[1] == dtype:
+        return node.args[0]
+    return None
+
+
+def match_gemm(node: fx.Node):
+    """(x, W, acc, out_dtype) for a linear layer's GEMM, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.mm.default:
+        x, wt = node.args
+        w = _weight(wt)
+        xs, ws = _source(x, torch.float32), _source(w, torch.float32)
+        if xs is not None and ws is not None:  # bf16 operands, fp32 logits (the router on CPU)
+            return xs, ws, None, torch.float32
+        if w is not None:
+            return x, w, None, node.meta["val"].dtype
+    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        acc, x, wt = node.args
+        w = _weight(wt)
+        if w is not None:
+            return x, w, acc, node.meta["val"].dtype
+    if node.target is aten.mm.dtype:
+        x, wt, out_dtype = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["out_dtype"]
+        w = _weight(wt)
+        if w is not None:
+            return x, w, None, out_dtype
+    return None
+
+
 def _f32(inner, users: int = 1):
     return CallFunction(prims.convert_element_type.default, inner, torch.float32, _users=users)
 
@@ -35,14 +76,22 @@ _rstd = CallFunction(aten.rsqrt.default, CallFunction(aten.add.Tensor, CallFunct
 RMS_NORM = CallFunction(aten.mul.Tensor, CallFunction(prims.convert_element_type.default, CallFunction(
     aten.mul.Tensor, _xf, _rstd), KeywordArg("dtype")), KeywordArg("norm_weight"))
 
-_gate = _f32(CallFunction(aten.slice.Tensor, KeywordArg("gate_of"), 1, 0, KeywordArg("d")), users=2)
-_up = _f32(CallFunction(aten.slice.Tensor, KeywordArg("up_of"), 1, KeywordArg("d_up"), KeywordArg("end")))
-_act = CallFunction(aten.mul.Tensor, CallFunction(aten.mul.Tensor, CallFunction(aten.tanh.default, CallFunction(
-    aten.div.Tensor, _gate, KeywordArg("beta"))), KeywordArg("beta_out")), CallFunction(aten.sigmoid.default, _gate))
-_linear = CallFunction(aten.mul.Tensor, CallFunction(aten.tanh.default, CallFunction(
-    aten.div.Tensor, _up, KeywordArg("linear_beta"))), KeywordArg("linear_beta_out"))
-SITU = CallFunction(prims.convert_element_type.default, CallFunction(aten.mul.Tensor, _act, _linear),
-                    KeywordArg("dtype"))
+
+
+def _situ(gate, up):
+    """SiTU-GLU of the (bf16) gate and up patterns."""
+    g, u = _f32(gate, users=2), _f32(up)
+    act = CallFunction(aten.mul.Tensor, CallFunction(aten.mul.Tensor, CallFunction(aten.tanh.default, CallFunction(
+        aten.div.Tensor, g, KeywordArg("beta"))), KeywordArg("beta_out")), CallFunction(aten.sigmoid.default, g))
+    linear = CallFunction(aten.mul.Tensor, CallFunction(aten.tanh.default, CallFunction(
+        aten.div.Tensor, u, KeywordArg("linear_beta"))), KeywordArg("linear_beta_out"))
+    return CallFunction(prims.convert_element_type.default, CallFunction(aten.mul.Tensor, act, linear),
+                        KeywordArg("dtype"))
+
+
+SITU = _situ(CallFunction(aten.slice.Tensor, KeywordArg("gate_of"), 1, 0, KeywordArg("d")),
+             CallFunction(aten.slice.Tensor, KeywordArg("up_of"), 1, KeywordArg("d_up"), KeywordArg("end")))
+SITU_PAIR = _situ(KeywordArg("gate"), KeywordArg("up"))  # gate and up from two GEMMs (sharded_moe's blocks)
 
 
 def _bind(pattern, node) -> dict[str, Any] | None:
@@ -82,3 +131,17 @@ def situ_of(node) -> tuple[fx.Node, float, float] | None:
             or kw["dtype"] != h.meta["val"].dtype):
         return None
     return h, float(kw["beta"]), float(kw["linear_beta"])
+
+
+def situ_pair_of(node) -> tuple[fx.Node, fx.Node, float, float] | None:
+    """(gate, up, beta, linear_beta) when ``node`` is stock's SiTU-GLU of two separate bf16
+    tensors gate and up of one shape (``sharded_moe``'s gate and up row blocks); else None."""
+    kw = _bind(SITU_PAIR, node)
+    if kw is None or kw["beta"] != kw["beta_out"] or kw["linear_beta"] != kw["linear_beta_out"]:
+        return None
+    gate, up = kw["gate"], kw["up"]
+    vals = [n.meta["val"] for n in (gate, up)]
+    if vals[0].shape != vals[1].shape or not all(v.dtype == kw["dtype"] for v in vals):
+        return None
+    return gate, up, float(kw["beta"]), float(kw["linear_beta"])
+

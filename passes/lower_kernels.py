@@ -20,6 +20,9 @@ Matches and produces (M = rows, at most 64):
                                                       none on H200, so vLLM's stays)
     <GEMM>(rms_norm(x, w_n, eps), W, acc)           kimi_kernels.rms_norm_mm(x, w_n, eps, W, acc, dt)
     situ_and_mul(<GEMM>(x, W), b, lb)               kimi_kernels.mm_situ(x, W, b, lb)
+    a sharded_moe layer's router, latent down,      kimi_kernels.moe_in(...) and moe_out(...)
+      shared block with SiTU / its down and up        (passes/moe_projections.py)
+      blocks with the latent RMSNorm
 
 The two fusions (patterns in ``gemm_neighbours``) happen only where the CuTe GEMV runs
 the GEMM (``skinny_gemm.choose_fused``); elsewhere the GEMM is lowered alone.
@@ -54,9 +57,9 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from . import roles, vllm_kda, vllm_mla
+from . import moe_projections, roles, vllm_kda, vllm_mla
 from .decoder import _between
-from .gemm_neighbours import rms_norm_of, situ_of
+from .gemm_neighbours import match_gemm, rms_norm_of, situ_of
 from .graph import OpCall, TritonCall
 from .report import PassInfo
 
@@ -80,45 +83,6 @@ SWAPS = {kimi.mla_decode.default: (kk.mla_decode.default, "MLA core", _mla_unsup
          kimi.mla_decode_dcp.default: (kk.mla_decode_dcp.default, "MLA core", _mla_unsupported),
          kimi.dsa_decode.default: (kk.dsa_decode.default, "MLA core", _mla_unsupported),
          kimi.attn_res.default: (kk.attn_res.default, "AttnRes", _attn_res_unsupported)}
-
-
-def _weight(node) -> fx.Node | None:
-    """W when ``node`` is ``permute(W, [1, 0])`` (the transposed view linear uses)."""
-    if isinstance(node, fx.Node) and node.target is aten.permute.default and list(node.args[1]) == [1, 0]:
-        return node.args[0]
-    return None
-
-
-def _source(node, dtype: torch.dtype):
-    """x when ``node`` is ``convert_element_type(x, dtype)``."""
-    if isinstance(node, fx.Node) and node.target is prims.convert_element_type.default and node.args[1] == dtype:
-        return node.args[0]
-    return None
-
-
-def match_gemm(node: fx.Node):
-    """(x, W, acc, out_dtype) for a linear layer's GEMM, else None."""
-    if node.op != "call_function":
-        return None
-    if node.target is aten.mm.default:
-        x, wt = node.args
-        w = _weight(wt)
-        xs, ws = _source(x, torch.float32), _source(w, torch.float32)
-        if xs is not None and ws is not None:  # bf16 operands, fp32 logits (the router on CPU)
-            return xs, ws, None, torch.float32
-        if w is not None:
-            return x, w, None, node.meta["val"].dtype
-    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
-        acc, x, wt = node.args
-        w = _weight(wt)
-        if w is not None:
-            return x, w, acc, node.meta["val"].dtype
-    if node.target is aten.mm.dtype:
-        x, wt, out_dtype = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["out_dtype"]
-        w = _weight(wt)
-        if w is not None:
-            return x, w, None, out_dtype
-    return None
 
 
 class LowerKernels:
@@ -200,6 +164,16 @@ class LowerKernels:
                 core.kind if core is not None else "attn_res"
             info.rewritten += 1
         _dead_code_out(g, dropped)  # dead casts would count as readers of a norm or a GEMM
+        for layer in [l for l in dg.layers if l.moe is not None]:  # sharded_moe's layers: two launches
+            bound = moe_projections.bind(layer)
+            if bound is None:
+                continue
+            info.matched += 1
+            kept.update(f"MoE projections: {why}" for why in (bound.into, bound.out) if isinstance(why, str))
+            lowered_here = moe_projections.lower(g, bound)
+            per_node.update(lowered_here)
+            info.rewritten += bool(lowered_here)
+        _dead_code_out(g)
         situ_after = {m[0]: (n, *m[1:]) for n in g.nodes if (m := situ_of(n)) is not None}  # GEMM -> its SiTU
         for node in list(g.nodes):
             gemm = match_gemm(node)
@@ -323,7 +297,9 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
 
 
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM",
-          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU"}
+          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
+          "moe_in": "router + latent down + shared gate/up SiTU (one GEMV)",
+          "moe_out": "shared down + latent RMSNorm + up (one GEMM)"}
 
 
 def _summary(nodes, per_node) -> str:

@@ -69,7 +69,7 @@ from kimi_inductor.kernels import mega_moe as mega_moe_kernel
 from . import collectives, row_local
 from .decoder import DecoderGraph, Layer, _between
 from .graph import OpCall, ancestors, erase_unused
-from .lower_kernels import match_gemm
+from .gemm_neighbours import match_gemm
 from .mega_moe import MegaMoE, _fill_rows
 from .report import PassInfo
 

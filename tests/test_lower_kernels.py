@@ -36,7 +36,7 @@ def test_cpu_router_gemm_is_matched_with_its_bf16_operands():
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from kimi_inductor.passes.lower_kernels import match_gemm
+    from kimi_inductor.passes.gemm_neighbours import match_gemm
 
     x, w = torch.randn(2, 64).to(torch.bfloat16), torch.randn(32, 64).to(torch.bfloat16)
     gm = make_fx(lambda x, w: x.float() @ w.float().t(), decomposition_table=select_decomp_table())(x, w)

@@ -175,3 +175,38 @@ def test_sharded_moe_decode_agrees_with_stock_for_16_steps(world):
             worst_ref = ((ref - ref32).norm(dim=-1) / ref32.norm(dim=-1)).max()
             assert err <= 2.5 * band + 0.01, f"q={stock.q} G={world}: bf16 {err:.4f} vs stock's {band:.4f}"
             assert worst <= 2.5 * worst_ref + 0.01, f"q={stock.q} G={world}: worst {worst:.4f} vs {worst_ref:.4f}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lower_kernels_runs_each_sharded_layer_in_two_projection_launches(fake_world, world):
+    """After sharded_moe, lower_kernels puts the router, the latent down-projection and the
+    shared block's gate / up + SiTU into one ``moe_in`` and the shared down block + latent
+    RMSNorm + up block into one ``moe_out``, reading rank 0's blocks in place."""
+    snaps = {}
+
+    def observe(stage, gm):
+        if stage == "after lower_kernels":
+            snaps["moe"] = region_text(gm, 2, "mlp")
+
+    backend, _ = compile_tiny(group=fake_world(world), q=1, requests=2, padding=1, observer=observe)
+    moe = [l for l in backend.report.layers if l.mlp == "moe"]
+    assert moe and all("mlp: router + latent down + shared gate/up SiTU (one GEMV) x1, shared down + latent "
+                       "RMSNorm + up (one GEMM) x1" in l.notes["kernels"] for l in moe)
+    info = next(p for p in backend.report.passes if p.name == "lower_kernels")
+    assert not [s for s in info.skipped if s.startswith("MoE projections")]
+    text = snaps["moe"]
+    assert text.count("kimi_kernels.moe_in(") == 1 and text.count("kimi_kernels.moe_out(") == 1
+    assert "aten.mm" not in text and "aten.addmm" not in text and "aten.slice" not in text
+    assert f", 0, {world}, 4, 25)" in text  # rank 0 of G, SiTU's betas
+
+
+def test_moe_projections_keep_the_ops_with_the_reason(fake_world):
+    """Past the fused GEMV's rows (3 requests + 1 padding, q = 4: 16) moe_in is not formed
+    (moe_out still is); the report says why."""
+    backend, _ = compile_tiny(group=fake_world(2), q=4, requests=3, padding=1)
+    info = next(p for p in backend.report.passes if p.name == "lower_kernels")
+    assert any(s.endswith("x kept: MoE projections: moe_in: 16 rows (the fused GEMV takes up to 8)")
+               for s in info.skipped), info.skipped
+    moe = [l for l in backend.report.layers if l.mlp == "moe"]
+    assert all("shared down + latent RMSNorm + up (one GEMM) x1" in l.notes["kernels"] for l in moe)
+    assert not any("router + latent down" in l.notes["kernels"] for l in moe)

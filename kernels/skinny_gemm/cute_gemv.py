@@ -178,7 +178,7 @@ class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0):
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0):
         self.rows, self.r, self.warps, self.split, self.unroll = rows, r, warps, split, unroll
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
@@ -186,17 +186,14 @@ class SplitKGemv:
         self.beta, self.linear_beta = fusion.situ or (1.0, 1.0)
         self.tile = warps * r  # outputs per CTA
         self.wrows = 2 * r if self.situ else r  # weight rows per warp
+        self.half = half  # SiTU: rows from a gate row to its up row (0: the outputs n)
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
                  ws: cute.Tensor, counters: cute.Tensor, stream: CUstream):
         n = cute.size(out, mode=[1])
         k = cute.size(w, mode=[1])
-        bits = VEC * self.in_dtype.width
-        load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), self.in_dtype, num_bits_per_copy=bits,
-                                     load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-        load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), self.in_dtype, num_bits_per_copy=bits,
-                                     load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
+        load_w, load_x = _loads(self.in_dtype)
         self.kernel(x, w, gamma, acc, out, ws, counters, n, k, load_w, load_x).launch(
             grid=[cute.ceil_div(n, self.tile), self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream)
 
@@ -215,57 +212,14 @@ class SplitKGemv:
         bx, s, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        n0 = bx * tile + warp * r
-
-        # (row, (vector, k vector)) views: one 16-byte load is the slice [row, (None, kv)]
-        xv = cute.logical_divide(x, (None, VEC))
-        wv = cute.logical_divide(w, (None, VEC))
-        steps = k // (STEP * split)
-        kv0 = s * steps * WARP + lane
-
-        part = cute.make_rmem_tensor(cute.make_layout((rows, wrows), stride=(wrows, 1)), Float32)
-        part.fill(0.0)
-        sq = cute.make_rmem_tensor(cute.make_layout(rows), Float32)  # RMSNorm: sum of x^2
-        sq.fill(0.0)
-        xr = cute.make_rmem_tensor(cute.make_layout((rows, VEC), stride=(VEC, 1)), self.in_dtype)
-        wr = cute.make_rmem_tensor(cute.make_layout((wrows, VEC), stride=(VEC, 1)), self.in_dtype)
-        gr = cute.make_rmem_tensor(cute.make_layout(VEC), self.in_dtype)
-        gv = cute.logical_divide(gamma, (None, VEC))  # gamma [1, K]
-        if n0 < n:
-            for t in cutlass.range(steps, unroll=self.unroll):
-                kv = kv0 + t * WARP
-                for j in cutlass.range_constexpr(wrows):  # SiTU: gate rows n0.., then up rows n + n0..
-                    cute.copy(load_w, wv[n0 + j % r + (j // r) * n, (None, kv)], wr[j, None])
-                for m in cutlass.range_constexpr(rows):
-                    cute.copy(load_x, xv[m, (None, kv)], xr[m, None])
-                xf = xr.load().to(Float32)
-                wf = wr.load().to(Float32)
-                if const_expr(self.norm):
-                    cute.copy(load_x, gv[0, (None, kv)], gr)
-                    gf = gr.load().to(Float32)
-                for e in cutlass.range_constexpr(VEC):
-                    for m in cutlass.range_constexpr(rows):
-                        xe = xf[m, e]
-                        if const_expr(self.norm):
-                            sq[m] = sq[m] + xe * xe
-                            xe = xe * gf[e]
-                        for j in cutlass.range_constexpr(wrows):
-                            part[m, j] = part[m, j] + xe * wf[j, e]
-            for m in cutlass.range_constexpr(rows):
-                for j in cutlass.range_constexpr(wrows):
-                    part[m, j] = cute.arch.warp_reduction_sum(part[m, j])
-                if const_expr(self.norm):
-                    sq[m] = cute.arch.warp_reduction_sum(sq[m])
-
         if const_expr(split == 1):
-            if n0 < n:
-                for m in cutlass.range_constexpr(rows):
-                    for j in cutlass.range_constexpr(r):
-                        if lane == m * r + j:
-                            up = part[m, r + j] if const_expr(self.situ) else part[m, j]
-                            out[m, n0 + j] = self.finish(part[m, j], up, sq[m], acc, m, n0 + j)
+            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x)
         else:
+            n0 = bx * tile + warp * r
+            part, sq = self.partials()
             if n0 < n:
+                self.dot(x, w, gamma, n0, n, s * (k // (STEP * split)) * WARP + lane, k // (STEP * split), load_w,
+                         load_x, part, sq)
                 for m in cutlass.range_constexpr(rows):
                     for j in cutlass.range_constexpr(wrows):
                         if lane == m * wrows + j:
@@ -302,6 +256,75 @@ class SplitKGemv:
                     counters[bx] = Int32(0)
 
     @cute.jit
+    def partials(self):
+        """Per lane: M x (weight rows) fp32 dot partials and M sums of x^2 (RMSNorm), zeroed."""
+        part = cute.make_rmem_tensor(cute.make_layout((self.rows, self.wrows), stride=(self.wrows, 1)), Float32)
+        part.fill(0.0)
+        sq = cute.make_rmem_tensor(cute.make_layout(self.rows), Float32)
+        sq.fill(0.0)
+        return part, sq
+
+    @cute.jit
+    def dot(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, n0: Int32, half, kv0: Int32, steps: Int32,
+            load_w: cute.CopyAtom, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor):
+        """The warp's dot products over ``steps`` warp steps from 16-byte vector ``kv0``,
+        warp-reduced into ``part`` (and ``sq``): outputs n0 .. n0 + R - 1, whose weight rows
+        are n0 + j and, with SiTU, the up rows half + n0 + j."""
+        rows: cutlass.Constexpr = self.rows
+        r: cutlass.Constexpr = self.r
+        wrows: cutlass.Constexpr = self.wrows
+        # (row, (vector, k vector)) views: one 16-byte load is the slice [row, (None, kv)]
+        xv = cute.logical_divide(x, (None, VEC))
+        wv = cute.logical_divide(w, (None, VEC))
+        xr = cute.make_rmem_tensor(cute.make_layout((rows, VEC), stride=(VEC, 1)), self.in_dtype)
+        wr = cute.make_rmem_tensor(cute.make_layout((wrows, VEC), stride=(VEC, 1)), self.in_dtype)
+        gr = cute.make_rmem_tensor(cute.make_layout(VEC), self.in_dtype)
+        gv = cute.logical_divide(gamma, (None, VEC))  # gamma [1, K]
+        for t in cutlass.range(steps, unroll=self.unroll):
+            kv = kv0 + t * WARP
+            for j in cutlass.range_constexpr(wrows):  # SiTU: gate rows n0.., then up rows half + n0..
+                cute.copy(load_w, wv[n0 + j % r + (j // r) * half, (None, kv)], wr[j, None])
+            for m in cutlass.range_constexpr(rows):
+                cute.copy(load_x, xv[m, (None, kv)], xr[m, None])
+            xf = xr.load().to(Float32)
+            wf = wr.load().to(Float32)
+            if const_expr(self.norm):
+                cute.copy(load_x, gv[0, (None, kv)], gr)
+                gf = gr.load().to(Float32)
+            for e in cutlass.range_constexpr(VEC):
+                for m in cutlass.range_constexpr(rows):
+                    xe = xf[m, e]
+                    if const_expr(self.norm):
+                        sq[m] = sq[m] + xe * xe
+                        xe = xe * gf[e]
+                    for j in cutlass.range_constexpr(wrows):
+                        part[m, j] = part[m, j] + xe * wf[j, e]
+        for m in cutlass.range_constexpr(rows):
+            for j in cutlass.range_constexpr(wrows):
+                part[m, j] = cute.arch.warp_reduction_sum(part[m, j])
+            if const_expr(self.norm):
+                sq[m] = cute.arch.warp_reduction_sum(sq[m])
+
+    @cute.jit
+    def tile_of(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+        """CTA ``bx``'s outputs over all of K (no split): out[:, bx TILE .. (bx + 1) TILE).
+        With SiTU the up rows start ``self.half`` rows after the gate rows (0: after all n
+        gate rows, the [gate; up] weight)."""
+        n = cute.size(out, mode=[1])
+        lane = cute.arch.lane_idx()
+        n0 = bx * self.tile + cute.arch.warp_idx() * self.r
+        part, sq = self.partials()
+        if n0 < n:
+            self.dot(x, w, gamma, n0, self.half if self.half else n, lane, cute.size(w, mode=[1]) // STEP, load_w,
+                     load_x, part, sq)
+            for m in cutlass.range_constexpr(self.rows):
+                for j in cutlass.range_constexpr(self.r):
+                    if lane == m * self.r + j:
+                        up = part[m, self.r + j] if const_expr(self.situ) else part[m, j]
+                        out[m, n0 + j] = self.finish(part[m, j], up, sq[m], acc, m, n0 + j)
+
+    @cute.jit
     def finish(self, total: Float32, up: Float32, ss: Float32, acc: cute.Tensor, m: Int32, nn: Int32):
         """One output from its dot product(s): SiTU of (gate, up) at stock's rounding points,
         or the RMSNorm row scale, then the accumulator; rounded once to the output dtype."""
@@ -315,6 +338,78 @@ class SplitKGemv:
         if const_expr(self.has_acc):
             total = total + acc[m, nn].to(Float32)
         return total.to(self.out_dtype)
+
+
+class MoEInGemv:
+    """The MoE layer's three GEMVs over one x [M, K] in one launch (``kimi_kernels::moe_in``):
+    router logits (fp32 out), latent down-projection, and a block of the shared experts'
+    gate / up rows with the SiTU-GLU epilogue. CTAs [0, B_router) take the router's
+    outputs, the next B_latent the latent's, the rest the shared block's, each the plain
+    GEMV's whole-K tile (no split: the three together are thousands of tiles). The shared
+    block's weight is the row range [a, D + a + width) of [gate; up] (D = its gate rows),
+    read in place: gate row a + j, up row D + a + j."""
+
+    def __init__(self, rows: int, cfg: Config, n_router: int, n_latent: int, n_shared: int, half: int,
+                 situ: tuple[float, float]):
+        def segment(out_dtype, fusion=PLAIN, half=0):
+            return SplitKGemv(rows, cfg.r, cfg.warps, 1, cfg.unroll, False, cutlass.BFloat16, out_dtype, fusion,
+                              half=half)
+
+        self.segments = (segment(Float32), segment(cutlass.BFloat16), segment(cutlass.BFloat16, Fusion(situ=situ),
+                                                                             half))
+        self.blocks = tuple(-(-n // (cfg.warps * cfg.r)) for n in (n_router, n_latent, n_shared))
+        self.threads = cfg.warps * WARP
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w_router: cute.Tensor, w_latent: cute.Tensor, w_shared: cute.Tensor,
+                 logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, stream: CUstream):
+        load_w, load_x = _loads(cutlass.BFloat16)
+        self.kernel(x, w_router, w_latent, w_shared, logits, latent, shared, load_w, load_x).launch(
+            grid=[sum(self.blocks), 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w_router: cute.Tensor, w_latent: cute.Tensor, w_shared: cute.Tensor,
+               logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, load_w: cute.CopyAtom,
+               load_x: cute.CopyAtom):
+        b0: cutlass.Constexpr = self.blocks[0]
+        b1: cutlass.Constexpr = self.blocks[0] + self.blocks[1]
+        bx, _, _ = cute.arch.block_idx()
+        if bx < b0:  # x stands in for the unused norm weight and accumulator
+            self.segments[0].tile_of(x, w_router, x, x, logits, bx, load_w, load_x)
+        else:
+            if bx < b1:
+                self.segments[1].tile_of(x, w_latent, x, x, latent, bx - b0, load_w, load_x)
+            else:
+                self.segments[2].tile_of(x, w_shared, x, x, shared, bx - b1, load_w, load_x)
+
+
+def moe_in_config(M: int) -> Config:
+    """One output per warp up to 2 rows, two up to 8 (x loads per weight load fall with R)."""
+    return Config(1 if M <= 2 else 2, 4, 1, 4)
+
+
+def compile_moe_in(M: int, K: int, n_router: int, n_latent: int, gate_up_rows: int, width: int,
+                   situ: tuple[float, float], cfg: Config, arch: str = ""):
+    """The ``MoEInGemv`` executor for one shape (as ``compile_gemv``); ``gate_up_rows``:
+    the full [gate; up] weight's rows (2 D), ``width``: the block's outputs."""
+    half = gate_up_rows // 2
+    kernel = MoEInGemv(M, cfg, n_router, n_latent, width, half, situ)
+    bf16 = torch.bfloat16
+    args = (_fake(bf16, (M, K)), _fake(bf16, (n_router, K)), _fake(bf16, (n_latent, K)),
+            _fake(bf16, (half + width, K)), _fake(torch.float32, (M, n_router)), _fake(bf16, (M, n_latent)),
+            _fake(bf16, (M, width)), make_fake_stream(use_tvm_ffi_env_stream=True))
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, *args, options=options)
+
+
+def _loads(in_dtype):
+    """The 16-byte global -> register loads: weights streaming (evict-first), x cached."""
+    bits = VEC * in_dtype.width
+    load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), in_dtype, num_bits_per_copy=bits,
+                                 load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+    load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), in_dtype, num_bits_per_copy=bits,
+                                 load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
+    return load_w, load_x
 
 
 def _fake(dtype, shape):
@@ -366,3 +461,27 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     gamma = (norm_weight if norm_weight is not None else weight[0]).view(1, K)  # read only with RMSNorm
     exe(x, weight, gamma, acc if acc is not None else out, out, ws, counters)
     return out
+
+
+def run_moe_in(x: torch.Tensor, router_weight: torch.Tensor, latent_weight: torch.Tensor,
+               gate_up_weight: torch.Tensor, shard: int, shards: int, situ: tuple[float, float],
+               cfg: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kimi_kernels::moe_in`` on the GPU: (logits fp32, latent, h) from one launch."""
+    M, K = x.shape
+    D = gate_up_weight.shape[0] // 2
+    width = D // shards
+    cfg = cfg or moe_in_config(M)
+    E, L = router_weight.shape[0], latent_weight.shape[0]
+    key = ("moe_in", M, K, E, L, 2 * D, width, situ, cfg, x.device.index)
+    if key not in _executors:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kimi_kernels.moe_in: no CuTe executor for {key} during CUDA-graph capture; "
+                               "warm up the step before capturing it")
+        _executors[key] = compile_moe_in(M, K, E, L, 2 * D, width, situ, cfg), None
+    exe = _executors[key][0]
+    logits = torch.empty(M, E, dtype=torch.float32, device=x.device)
+    latent = torch.empty(M, L, dtype=x.dtype, device=x.device)
+    h = torch.empty(M, width, dtype=x.dtype, device=x.device)
+    exe(x, router_weight, latent_weight, gate_up_weight[shard * width:D + (shard + 1) * width], logits, latent, h)
+    return logits, latent, h
+

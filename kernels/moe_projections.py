@@ -1,0 +1,211 @@
+"""The latent MoE layer's dense projections around its routed experts, in ``sharded_moe``'s
+layout (all T rows on every rank, the shared experts and the latent up-projection
+TP-sharded: rank r of G owns column block r of the shared width D and of the latent L),
+each one launch instead of four or five:
+
+``kimi_kernels::moe_in(x, W_router, W_latent, W_gate_up, shard, shards, beta, lb)``
+    -> (logits, z, h): for x [M, H] bf16,
+    logits = x W_router^T   [M, E] fp32 (exact products, fp32 sums: stock's router)
+    z      = x W_latent^T   [M, L] bf16 (the latent down-projection, replicated)
+    h      = situ_and_mul([x W_gate_up[s]^T | x W_gate_up[D + s]^T], beta, lb)   [M, D/G]
+             with W_gate_up = [gate; up] [2 D, H] and s = rows [r D/G, (r + 1) D/G).
+``kimi_kernels::moe_out(h, y, norm_weight, eps, W_down, W_up, shard, shards)``
+    -> h W_down[:, s]^T + rms_norm(y, norm_weight, eps)[:, l] W_up[:, l]^T   [M, H] bf16,
+    this rank's partial sum (the all-reduce completes it), W_down [H, D], W_up [H, L],
+    l = columns [r L/G, (r + 1) L/G).
+
+Rounding points are stock's: GEMM outputs bf16 (the shared down-projection's partial is
+rounded before the up-projection's GEMM adds to it, as addmm's bf16 accumulator), SiTU in
+fp32 on the bf16 gate / up, the normalised latent bf16(bf16(y rstd) w). The weights'
+blocks are read in place (views of the full weights: no per-rank copies).
+
+GPU implementations (decode: the weights are the bytes):
+  * ``moe_in``: the CuTe DSL GEMV's grouped form (``skinny_gemm.cute_gemv.MoEInGemv``):
+    router, latent and the shared gate / up block share x and one launch, M <= 8;
+  * ``moe_out``: Triton, one program per BN output columns: the row's rstd from the whole
+    latent row, the h block and the normalised latent block against the two weights'
+    column blocks (tensor-core ``tl.dot``, rows padded to 16), M <= 64.
+Elsewhere (CPU, other shapes) the references: the stock math of the replaced ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from kimi_inductor.stock.attn_res import rms_norm
+from kimi_inductor.stock.layers import situ_and_mul
+
+from .common import INTERPRET, bf16_round, pdl, pdl_wait, tl, triton
+from . import skinny_gemm
+
+NAMESPACE = "kimi_kernels"
+MAX_ROWS_IN = 8  # the CuTe GEMV's CUDA cores keep up with the weight stream
+MAX_ROWS_OUT = 64
+
+
+def blocks(width: int, shard: int, shards: int) -> tuple[int, int]:
+    """(start, size) of block ``shard`` of ``shards`` in a dimension of ``width``."""
+    size = width // shards
+    return shard * size, size
+
+
+def implementation_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor,
+                      shards: int) -> tuple[str, str]:
+    """(name, why) of what ``moe_in`` runs for these operands: 'cute' or 'reference'."""
+    M, K = x.shape
+    if x.device.type != "cuda":
+        return "reference", f"on {x.device.type}"
+    if skinny_gemm.cute_available():
+        return "reference", skinny_gemm.cute_available()
+    if M > MAX_ROWS_IN:
+        return "reference", f"{M} rows > {MAX_ROWS_IN}"
+    if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in (router_weight, latent_weight,
+                                                                            gate_up_weight)):
+        return "reference", "not bf16"
+    from .skinny_gemm import cute_gemv
+
+    D = gate_up_weight.shape[0] // 2
+    if D % shards:
+        return "reference", f"shared width {D} does not split over {shards} ranks"
+    cfg = cute_gemv.moe_in_config(M)
+    for rows, fusion in ((router_weight.shape[0], cute_gemv.PLAIN), (latent_weight.shape[0], cute_gemv.PLAIN),
+                         (2 * (D // shards), cute_gemv.Fusion(situ=(1.0, 1.0)))):
+        why = cute_gemv.supported(M, rows, K, cfg, fusion)
+        if why:
+            return "reference", why
+    return "cute", ""
+
+
+def moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta):
+    D = gate_up_weight.shape[0] // 2
+    a, width = blocks(D, shard, shards)
+    gate, up = x @ gate_up_weight[a:a + width].t(), x @ gate_up_weight[D + a:D + a + width].t()
+    return (skinny_gemm.reference(x, router_weight, None, torch.float32), x @ latent_weight.t(),
+            situ_and_mul(torch.cat([gate, up], 1), beta, linear_beta))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_in", mutates_args=())
+def moe_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor, shard: int,
+           shards: int, beta: float, linear_beta: float) -> tuple[Tensor, Tensor, Tensor]:
+    if implementation_in(x, router_weight, latent_weight, gate_up_weight, shards)[0] == "reference":
+        return moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta)
+    from .skinny_gemm import cute_gemv
+
+    return cute_gemv.run_moe_in(x.contiguous(), router_weight.contiguous(), latent_weight.contiguous(),
+                                gate_up_weight, shard, shards, (beta, linear_beta))
+
+
+@moe_in.register_fake
+def _(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta):
+    M = x.shape[0]
+    return (x.new_empty(M, router_weight.shape[0], dtype=torch.float32), x.new_empty(M, latent_weight.shape[0]),
+            x.new_empty(M, gate_up_weight.shape[0] // 2 // shards))
+
+
+def implementation_out(h: Tensor, y: Tensor) -> tuple[str, str]:
+    """(name, why) of what ``moe_out`` runs: 'triton' or 'reference'."""
+    if triton is None:
+        return "reference", "Triton is not installed"
+    if not h.is_cuda and not INTERPRET:
+        return "reference", f"on {h.device.type}"
+    if h.shape[0] > MAX_ROWS_OUT:
+        return "reference", f"{h.shape[0]} rows > {MAX_ROWS_OUT}"
+    if h.dtype != torch.bfloat16 or y.dtype != torch.bfloat16:
+        return "reference", "not bf16"
+    return "triton", ""
+
+
+def moe_out_reference(h, y, norm_weight, eps, down_weight, up_weight, shard, shards):
+    a, width = blocks(down_weight.shape[1], shard, shards)
+    la, lw = blocks(up_weight.shape[1], shard, shards)
+    shared = h @ down_weight[:, a:a + width].t()
+    return torch.addmm(shared, rms_norm(y, norm_weight, eps)[:, la:la + lw], up_weight[:, la:la + lw].t())
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_out", mutates_args=())
+def moe_out(h: Tensor, y: Tensor, norm_weight: Tensor, eps: float, down_weight: Tensor, up_weight: Tensor,
+            shard: int, shards: int) -> Tensor:
+    if implementation_out(h, y)[0] == "reference":
+        return moe_out_reference(h, y, norm_weight, eps, down_weight, up_weight, shard, shards)
+    return _run_out(h.contiguous(), y.contiguous(), norm_weight.contiguous(), eps, down_weight, up_weight, shard,
+                    shards)
+
+
+@moe_out.register_fake
+def _(h, y, norm_weight, eps, down_weight, up_weight, shard, shards):
+    return h.new_empty(h.shape[0], down_weight.shape[0])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, w, acc, DOT_F32: tl.constexpr):
+        """acc + a w^T; fp32 IEEE under the interpreter (its bf16 dot is wrong)."""
+        if DOT_F32:
+            return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        return acc + tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+
+    @triton.jit
+    def _moe_out_kernel(h_ptr, y_ptr, g_ptr, wd_ptr, wu_ptr, out_ptr, M, N, L, d0, l0, eps,
+                        stride_h, stride_y, stride_wd, stride_wu, stride_out,
+                        DS: tl.constexpr, LS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        """out[:, n block] = bf16(bf16(h W_d[n, d0:d0+DS]^T) + bf16(bf16(y rstd) g)[:, l0:l0+LS]
+        W_u[n, l0:l0+LS]^T)."""
+        pdl_wait(PDL)
+        rm = tl.arange(0, BM)
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        m_ok, n_ok = rm < M, rn < N
+        ss = tl.zeros([BM], dtype=tl.float32)  # the latent row's sum of squares (all L columns)
+        for k0 in range(0, L, BK):
+            rk = k0 + tl.arange(0, BK)
+            v = tl.load(y_ptr + rm[:, None] * stride_y + rk[None, :], mask=m_ok[:, None] & (rk[None, :] < L),
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(v * v, 1)
+        rstd = tl.math.rsqrt(ss / L + eps)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, DS, BK):
+            rk = k0 + tl.arange(0, BK)
+            k_ok = rk < DS
+            a = tl.load(h_ptr + rm[:, None] * stride_h + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(wd_ptr + rn[:, None] * stride_wd + d0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc = _dot(a, w, acc, DOT_F32)
+        shared = bf16_round(acc, True)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, LS, BK):
+            rk = k0 + tl.arange(0, BK)
+            k_ok = rk < LS
+            v = tl.load(y_ptr + rm[:, None] * stride_y + l0 + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + l0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            a = bf16_round(bf16_round(v * rstd[:, None], True) * g[None, :], True)
+            w = tl.load(wu_ptr + rn[:, None] * stride_wu + l0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc = _dot(a, w, acc, DOT_F32)
+        out = bf16_round(acc + shared, True)
+        tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def out_config(M: int) -> dict[str, int]:
+    return dict(BM=max(16, triton.next_power_of_2(M)), BN=16, BK=128, num_warps=4, num_stages=3)
+
+
+def _run_out(h, y, norm_weight, eps, down_weight, up_weight, shard, shards, cfg: dict | None = None) -> Tensor:
+    M, L = y.shape
+    N = down_weight.shape[0]
+    d0, ds = blocks(down_weight.shape[1], shard, shards)
+    l0, ls = blocks(L, shard, shards)
+    assert down_weight.stride(1) == 1 and up_weight.stride(1) == 1 and h.shape[1] == ds
+    cfg = dict(cfg or out_config(M))
+    out = torch.empty(M, N, dtype=h.dtype, device=h.device)
+    _moe_out_kernel[(triton.cdiv(N, cfg["BN"]),)](
+        h, y, norm_weight, down_weight, up_weight, out, M, N, L, d0, l0, eps, h.stride(0), y.stride(0),
+        down_weight.stride(0), up_weight.stride(0), out.stride(0), DS=ds, LS=ls, DOT_F32=INTERPRET,
+        **cfg, **pdl(h.device))
+    return out

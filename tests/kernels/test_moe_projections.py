@@ -1,0 +1,92 @@
+"""kimi_kernels::moe_in / moe_out (sharded_moe's projections in two launches) against their
+references, the replaced ops: moe_out's Triton kernel in the interpreter (bitwise) and on
+the GPU, moe_in's CuTe GEMV on the GPU; moe_in compiles for sm_90a without a GPU."""
+
+import pytest
+import torch
+
+from kimi_inductor.kernels import moe_projections as mp
+from kimi_inductor.kernels import skinny_gemm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cute = pytest.mark.skipif(bool(skinny_gemm.cute_available()), reason=skinny_gemm.cute_available() or "")
+# (H, D, L, E) of Kimi K3 on the GPU; small ones in the interpreter
+SHAPE = (7168, 6144, 3584, 896) if DEVICE == "cuda" else (64, 96, 128, 16)
+SITU = (4.0, 25.0)
+
+
+def weights(H, D, L, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def proj(n, k):
+        return (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16).to(DEVICE)
+
+    return dict(router=proj(E, H), latent=proj(L, H), gate_up=proj(2 * D, H), down=proj(H, D), up=proj(H, L),
+                norm=(1 + 0.1 * torch.randn(L, generator=g)).to(torch.bfloat16).to(DEVICE))
+
+
+def rows(M, n, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, n, generator=g) * scale).to(torch.bfloat16).to(DEVICE)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 64])
+@pytest.mark.parametrize("shard, shards", [(0, 1), (1, 2), (3, 8)])
+def test_moe_out_matches_its_reference(M, shard, shards):
+    """Same rounding points, fp32 summation order only (interpreter: fp32 dots; GPU: tensor
+    cores): within one bf16 ulp of the output and of the normalised latent's rounding."""
+    H, D, L, _ = SHAPE
+    w = weights(*SHAPE)
+    h, y = rows(M, D // shards, M, 2.0), rows(M, L, M + 1, 3.0)
+    want = mp.moe_out_reference(h, y, w["norm"], 1e-5, w["down"], w["up"], shard, shards)
+    got = torch.ops.kimi_kernels.moe_out(h, y, w["norm"], 1e-5, w["down"], w["up"], shard, shards)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert mp.implementation_out(h, y)[0] == ("triton" if DEVICE == "cuda" or mp.INTERPRET else "reference")
+    err = (got.float() - want.float()).abs()
+    assert (err <= 2.0**-6 * want.float().abs().clamp_min(1.0)).all(), err.max()
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+@pytest.mark.parametrize("shard, shards", [(0, 8), (5, 8), (1, 2)])
+def test_moe_in_matches_its_reference(M, shard, shards):
+    """Logits: fp32 sums of exact products (1e-5); latent: one bf16 rounding; h: stock's
+    SiTU rounding points (one bf16 ulp of gate / up, two of h). Three calls bitwise equal."""
+    w = weights(*SHAPE)
+    x = rows(M, SHAPE[0], M)
+    assert mp.implementation_in(x, w["router"], w["latent"], w["gate_up"], shards) == ("cute", "")
+    want = mp.moe_in_reference(x, w["router"], w["latent"], w["gate_up"], shard, shards, *SITU)
+    outs = [torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], shard, shards, *SITU)
+            for _ in range(3)]
+    for got, ref, tol in zip(outs[0], want, (1e-5, 2.0**-7, 2.0**-6)):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        err = (got.float() - ref.float()).abs()
+        assert (err <= tol * ref.float().abs().clamp_min(1.0) + 1e-4).all(), err.max()
+    assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))
+
+
+@needs_cute
+@pytest.mark.parametrize("M", [1, 8])
+def test_moe_in_compiles_for_sm90a(M):
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    exe = cute_gemv.compile_moe_in(M, 7168, 896, 3584, 12288, 768, SITU, cute_gemv.moe_in_config(M), arch="sm_90a")
+    assert exe.has_gpu_module
+
+
+def test_moe_in_reference_is_the_replaced_ops():
+    """On CPU the op is its reference: the router's fp32 logits, the latent GEMM and
+    stock's SiTU of the gate / up blocks of rank 1 of 2."""
+    from kimi_inductor.stock.layers import situ_and_mul
+
+    H, D, L, E = 64, 96, 128, 16
+    w = {k: v.cpu() for k, v in weights(H, D, L, E).items()}
+    x = rows(3, H, 0).cpu()
+    logits, z, h = torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], 1, 2, *SITU)
+    gu = w["gate_up"].float()
+    assert torch.equal(logits, x.float() @ w["router"].float().t())
+    assert torch.equal(z, x @ w["latent"].t())
+    blocks = torch.cat([x @ w["gate_up"][48:96].t(), x @ w["gate_up"][144:192].t()], 1)
+    assert torch.equal(h, situ_and_mul(blocks, *SITU)) and gu.shape == (2 * D, H)
