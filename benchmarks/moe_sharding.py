@@ -19,12 +19,12 @@ two all-reduces; ``kernels_and_limits.md`` 1.3 has their measured 2 x H200 laten
 Each layout is one function compiled by Inductor (``torch.compile``, same settings for
 both) and timed in a CUDA graph (``common.graph_time_us``); the floor is its weight
 bytes at 4.28 TB/s. A third column, ``kimi``: the sharded layer as ``lower_kernels``
-emits it (``kimi_kernels.moe_in`` up to 8 rows, else the router and latent on
-``skinny_mm`` and the gate / up blocks on cuBLAS; the routing ops compiled by Inductor;
-``kimi_kernels.moe_out``), its output checked against the sharded form's. ``--sweep``
-also times the two ops' configurations alone.
+emits it (``kimi_kernels.moe_in`` / ``moe_out`` within their row limits, else the GEMMs as
+the pass leaves them; routing and the latent RMSNorm compiled by Inductor), its output
+checked against the sharded form's. ``--sweep`` also times the two ops' configurations
+alone and the ops each replaces; ``--profile`` lists the kimi layer's kernels.
 
-    python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --sweep --json X
+    python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --sweep --profile --json X
 """
 
 from __future__ import annotations
@@ -42,12 +42,8 @@ from common import Results, floor_us, graph_time_us  # noqa: E402
 from kimi_inductor.kernels import moe_projections, skinny_gemm  # noqa: E402
 from kimi_inductor.stock.config import KimiK3Config  # noqa: E402
 from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
+from kimi_inductor.stock.attn_res import rms_norm  # noqa: E402
 from kimi_inductor.stock.moe import router_logits, select_experts  # noqa: E402
-
-
-def rms_norm(y, weight, eps):
-    yf = y.float()
-    return (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype) * weight
 
 
 def layer(x, y, w, cfg, shared_cols=None, latent_cols=None):
@@ -72,54 +68,90 @@ def layer(x, y, w, cfg, shared_cols=None, latent_cols=None):
     return torch.addmm(shared, normed, w["up"][:, la:lb].t()), z, weights, ids
 
 
+def _gemm(x, weight, out_dtype):
+    """A GEMM as lower_kernels leaves it: ``skinny_mm`` where ``skinny_gemm.choose`` picks
+    one of ours, else the aten op."""
+    if skinny_gemm.choose(x.shape[0], weight.shape[0], x.shape[1], x.dtype)[0] != "cublas":
+        return torch.ops.kimi_kernels.skinny_mm(x, weight, None, out_dtype)
+    return router_logits(x, weight) if out_dtype == torch.float32 else x @ weight.t()
+
+
+def projections_in(x, w, cfg, shard, shards, fused):
+    """(logits, z, h): ``moe_in``, or the ops lower_kernels emits without it."""
+    situ = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    if fused:
+        return torch.ops.kimi_kernels.moe_in(x, w["gate"], w["down"], w["gate_up"], shard, shards, *situ)
+    D = w["gate_up"].shape[0] // 2
+    a, width = moe_projections.blocks(D, shard, shards)
+    h = situ_and_mul(torch.cat([x @ w["gate_up"][a:a + width].t(), x @ w["gate_up"][D + a:D + a + width].t()], 1),
+                     *situ)
+    return _gemm(x, w["gate"], torch.float32), _gemm(x, w["down"], x.dtype), h
+
+
+def projections_out(h, normed, w, shard, shards, fused):
+    op = torch.ops.kimi_kernels.moe_out if fused else moe_projections.moe_out_reference
+    return op(h, normed, w["shared_down"], w["up"], shard, shards)
+
+
 def kimi_layer(x, y, w, cfg, shard, shards):
     """The sharded layer as lower_kernels emits it (rank ``shard`` of ``shards``)."""
-    kk = torch.ops.kimi_kernels
-    situ = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    if x.shape[0] <= moe_projections.MAX_ROWS_IN:
-        logits, z, h = kk.moe_in(x, w["gate"], w["down"], w["gate_up"], shard, shards, *situ)
-    else:
-        logits = kk.skinny_mm(x, w["gate"], None, torch.float32)
-        z = kk.skinny_mm(x, w["down"], None, x.dtype)
-        D = w["gate_up"].shape[0] // 2
-        a, width = moe_projections.blocks(D, shard, shards)
-        h = situ_and_mul(torch.cat([x @ w["gate_up"][a:a + width].t(), x @ w["gate_up"][D + a:D + a + width].t()],
-                                   1), *situ)
+    M = x.shape[0]
+    logits, z, h = projections_in(x, w, cfg, shard, shards, M <= moe_projections.MAX_ROWS_IN)
     weights, ids = select_experts(logits, w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize,
                                   cfg.routed_scaling_factor)
-    out = kk.moe_out(h, y, w["norm"], cfg.rms_norm_eps, w["shared_down"], w["up"], shard, shards)
+    normed = rms_norm(y, w["norm"], cfg.rms_norm_eps)
+    out = projections_out(h, normed, w, shard, shards, M <= moe_projections.MAX_ROWS_OUT)
     return out, z, weights, ids
 
 
+def profile(x, y, fn) -> list[dict]:
+    """The kernels of three calls of ``fn`` (CUPTI), costliest first: name and us per call."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with torch.no_grad():
+        fn(x, y)
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(3):
+                fn(x, y)
+            torch.cuda.synchronize()
+    per = {}
+    for e in p.events():
+        if e.device_type.name == "CUDA":
+            per[e.name] = per.get(e.name, 0.0) + e.device_time / 3
+    return [dict(kernel=k[:90], us=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:12]]
+
+
 def sweep(res, x, y, w, cfg, G):
-    """Each op alone over its configurations (rank 0's blocks), best first per row count."""
+    """Each op alone over its configurations (rank 0's blocks), and the ops it replaces
+    (compiled by Inductor), per row count."""
     from kimi_inductor.kernels.skinny_gemm import cute_gemv
 
     situ = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     M = x.shape[0]
+    h = x[:, :w["shared_down"].shape[1] // G].contiguous()
     rows = []
-    if M <= moe_projections.MAX_ROWS_IN and not skinny_gemm.cute_available():
+    if M <= 8 and not skinny_gemm.cute_available():
         for r in (1, 2):
             for warps in (4, 8):
                 for unroll in (2, 4):
                     c = cute_gemv.Config(r, warps, 1, unroll)
-                    if M * 2 * r > 32:
-                        continue
                     t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G,
                                                                      situ, c), calls=10, replays=5)
                     rows.append(dict(op="moe_in", config=list(c), us=t))
-    for bn in (16, 32):
-        for bk in (128, 256):
-            for stages in (2, 4):
-                for warps in (4,):
-                    c = dict(BM=max(16, 1 << (M - 1).bit_length()), BN=bn, BK=bk, num_warps=warps,
-                             num_stages=stages)
-                    h = x[:, :w["shared_down"].shape[1] // G].contiguous()
-                    t = graph_time_us(lambda i: moe_projections._run_out(
-                        h, y, w["norm"], cfg.rms_norm_eps, w["shared_down"], w["up"], 0, G, c), calls=10, replays=5)
-                    rows.append(dict(op="moe_out", config=c, us=t))
-    best = {op: min((r for r in rows if r["op"] == op), key=lambda r: r["us"]) for op in ("moe_in", "moe_out")
-            if any(r["op"] == op for r in rows)}
+        unfused = torch.compile(lambda x: projections_in(x, w, cfg, 0, G, False), dynamic=False)
+        rows.append(dict(op="moe_in replaced ops", us=graph_time_us(lambda i: unfused(x), calls=10, replays=5)))
+    for bn in (32, 64):
+        for bk in (256, 512):
+            for stages in (2, 3):
+                c = dict(BM=max(16, 1 << (M - 1).bit_length()), BN=bn, BK=bk, num_warps=4, num_stages=stages)
+                t = graph_time_us(lambda i: moe_projections._run_out(h, y, w["shared_down"], w["up"], 0, G, c),
+                                  calls=10, replays=5)
+                rows.append(dict(op="moe_out", config=c, us=t))
+    unfused = torch.compile(lambda h, y: projections_out(h, y, w, 0, G, False), dynamic=False)
+    rows.append(dict(op="moe_out replaced ops", us=graph_time_us(lambda i: unfused(h, y), calls=10, replays=5)))
+    best = {op: min((r for r in rows if r["op"] == op), key=lambda r: r["us"])
+            for op in ("moe_in", "moe_out", "moe_in replaced ops", "moe_out replaced ops") if any(r["op"] == op for r in rows)}
     res.add(rows=M, sweep_best=best, sweep=sorted(rows, key=lambda r: (r["op"], r["us"])), echo=False)
     print(M, best, flush=True)
 
@@ -138,6 +170,7 @@ def main(argv=None) -> Results:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 32, 64])
     p.add_argument("--ranks", type=int, default=8, help="G, the TP group")
     p.add_argument("--sweep", action="store_true", help="also time moe_in / moe_out configurations alone")
+    p.add_argument("--profile", action="store_true", help="also list the kimi layer's kernels per row count")
     p.add_argument("--json")
     args = p.parse_args(argv)
     cfg = KimiK3Config.preset("kimi-k3")
@@ -181,6 +214,9 @@ def main(argv=None) -> Results:
                 kimi_vs_row_shard=t_kimi / t_row, kimi_rel_err=kimi_err, kimi_same_experts=same_ids)
         if args.sweep:
             sweep(res, xs[T], ys[T], w, cfg, G)
+        if args.profile:
+            res.add(rows=T, kimi_kernels_us=profile(xs[T], ys[T], kimi), echo=False)
+            print(T, res.rows[-1]["kimi_kernels_us"], flush=True)
     if args.json:
         res.dump(args.json)
     return res

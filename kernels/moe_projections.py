@@ -5,26 +5,27 @@ each one launch instead of four or five:
 
 ``kimi_kernels::moe_in(x, W_router, W_latent, W_gate_up, shard, shards, beta, lb)``
     -> (logits, z, h): for x [M, H] bf16,
-    logits = x W_router^T   [M, E] fp32 (exact products, fp32 sums: stock's router)
+    logits = x W_router^T   [M, E] fp32 (bf16 products, fp32 sums: stock's router)
     z      = x W_latent^T   [M, L] bf16 (the latent down-projection, replicated)
     h      = situ_and_mul([x W_gate_up[s]^T | x W_gate_up[D + s]^T], beta, lb)   [M, D/G]
              with W_gate_up = [gate; up] [2 D, H] and s = rows [r D/G, (r + 1) D/G).
-``kimi_kernels::moe_out(h, y, norm_weight, eps, W_down, W_up, shard, shards)``
-    -> h W_down[:, s]^T + rms_norm(y, norm_weight, eps)[:, l] W_up[:, l]^T   [M, H] bf16,
-    this rank's partial sum (the all-reduce completes it), W_down [H, D], W_up [H, L],
-    l = columns [r L/G, (r + 1) L/G).
+``kimi_kernels::moe_out(h, normed, W_down, W_up, shard, shards)``
+    -> h W_down[:, s]^T + normed[:, l] W_up[:, l]^T   [M, H] bf16, this rank's partial
+    sum (the all-reduce completes it) for h [M, D/G], normed [M, L] (the routed output's
+    RMSNorm, left to Inductor: it fuses with the bf16 cast after the experts' all-reduce),
+    W_down [H, D], W_up [H, L], l = columns [r L/G, (r + 1) L/G).
 
 Rounding points are stock's: GEMM outputs bf16 (the shared down-projection's partial is
 rounded before the up-projection's GEMM adds to it, as addmm's bf16 accumulator), SiTU in
-fp32 on the bf16 gate / up, the normalised latent bf16(bf16(y rstd) w). The weights'
-blocks are read in place (views of the full weights: no per-rank copies).
+fp32 on the bf16 gate / up. The weights' blocks are read in place (views of the full
+weights: no per-rank copies).
 
 GPU implementations (decode: the weights are the bytes):
   * ``moe_in``: the CuTe DSL GEMV's grouped form (``skinny_gemm.cute_gemv.MoEInGemv``):
     router, latent and the shared gate / up block share x and one launch, M <= 8;
-  * ``moe_out``: Triton, one program per BN output columns: the row's rstd from the whole
-    latent row, the h block and the normalised latent block against the two weights'
-    column blocks (tensor-core ``tl.dot``, rows padded to 16), M <= 64.
+  * ``moe_out``: Triton, one program per BN output columns: h and the normalised latent's
+    block against the two weights' column blocks, one K loop each (tensor-core ``tl.dot``,
+    rows padded to 16), M <= 64.
 Elsewhere (CPU, other shapes) the references: the stock math of the replaced ops.
 """
 
@@ -35,8 +36,8 @@ import functools
 import torch
 from torch import Tensor
 
-from kimi_inductor.stock.attn_res import rms_norm
 from kimi_inductor.stock.layers import situ_and_mul
+from kimi_inductor.stock.moe import router_logits
 
 from .common import INTERPRET, bf16_round, pdl, pdl_wait, tl, triton
 from . import skinny_gemm
@@ -83,7 +84,8 @@ def moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, sha
     D = gate_up_weight.shape[0] // 2
     a, width = blocks(D, shard, shards)
     gate, up = x @ gate_up_weight[a:a + width].t(), x @ gate_up_weight[D + a:D + a + width].t()
-    return (skinny_gemm.reference(x, router_weight, None, torch.float32), x @ latent_weight.t(),
+    logits = x @ router_weight.t() if x.dtype == torch.float32 else router_logits(x, router_weight)
+    return (logits, x @ latent_weight.t(),
             situ_and_mul(torch.cat([gate, up], 1), beta, linear_beta))
 
 
@@ -105,7 +107,7 @@ def _(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, line
             x.new_empty(M, gate_up_weight.shape[0] // 2 // shards))
 
 
-def implementation_out(h: Tensor, y: Tensor) -> tuple[str, str]:
+def implementation_out(h: Tensor, normed: Tensor) -> tuple[str, str]:
     """(name, why) of what ``moe_out`` runs: 'triton' or 'reference'."""
     if triton is None:
         return "reference", "Triton is not installed"
@@ -113,29 +115,26 @@ def implementation_out(h: Tensor, y: Tensor) -> tuple[str, str]:
         return "reference", f"on {h.device.type}"
     if h.shape[0] > MAX_ROWS_OUT:
         return "reference", f"{h.shape[0]} rows > {MAX_ROWS_OUT}"
-    if h.dtype != torch.bfloat16 or y.dtype != torch.bfloat16:
+    if h.dtype != torch.bfloat16 or normed.dtype != torch.bfloat16:
         return "reference", "not bf16"
     return "triton", ""
 
 
-def moe_out_reference(h, y, norm_weight, eps, down_weight, up_weight, shard, shards):
+def moe_out_reference(h, normed, down_weight, up_weight, shard, shards):
     a, width = blocks(down_weight.shape[1], shard, shards)
     la, lw = blocks(up_weight.shape[1], shard, shards)
-    shared = h @ down_weight[:, a:a + width].t()
-    return torch.addmm(shared, rms_norm(y, norm_weight, eps)[:, la:la + lw], up_weight[:, la:la + lw].t())
+    return torch.addmm(h @ down_weight[:, a:a + width].t(), normed[:, la:la + lw], up_weight[:, la:la + lw].t())
 
 
 @torch.library.custom_op(f"{NAMESPACE}::moe_out", mutates_args=())
-def moe_out(h: Tensor, y: Tensor, norm_weight: Tensor, eps: float, down_weight: Tensor, up_weight: Tensor,
-            shard: int, shards: int) -> Tensor:
-    if implementation_out(h, y)[0] == "reference":
-        return moe_out_reference(h, y, norm_weight, eps, down_weight, up_weight, shard, shards)
-    return _run_out(h.contiguous(), y.contiguous(), norm_weight.contiguous(), eps, down_weight, up_weight, shard,
-                    shards)
+def moe_out(h: Tensor, normed: Tensor, down_weight: Tensor, up_weight: Tensor, shard: int, shards: int) -> Tensor:
+    if implementation_out(h, normed)[0] == "reference":
+        return moe_out_reference(h, normed, down_weight, up_weight, shard, shards)
+    return _run_out(h.contiguous(), normed, down_weight, up_weight, shard, shards)
 
 
 @moe_out.register_fake
-def _(h, y, norm_weight, eps, down_weight, up_weight, shard, shards):
+def _(h, normed, down_weight, up_weight, shard, shards):
     return h.new_empty(h.shape[0], down_weight.shape[0])
 
 
@@ -146,66 +145,53 @@ if triton is not None:
         """acc + a w^T; fp32 IEEE under the interpreter (its bf16 dot is wrong)."""
         if DOT_F32:
             return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        return acc + tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        return acc + tl.dot(a, tl.trans(w))
 
     @triton.jit
-    def _moe_out_kernel(h_ptr, y_ptr, g_ptr, wd_ptr, wu_ptr, out_ptr, M, N, L, d0, l0, eps,
-                        stride_h, stride_y, stride_wd, stride_wu, stride_out,
-                        DS: tl.constexpr, LS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        """out[:, n block] = bf16(bf16(h W_d[n, d0:d0+DS]^T) + bf16(bf16(y rstd) g)[:, l0:l0+LS]
-        W_u[n, l0:l0+LS]^T)."""
+    def _block_dot(x_ptr, w_ptr, rm, rn, m_ok, n_ok, stride_x, stride_w, acc, K: tl.constexpr, BK: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+        """acc + x[rm, :K] W[rn, :K]^T (x and W already offset to their blocks)."""
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            k_ok = rk < K
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(a, w, acc, DOT_F32)
+        return acc
+
+    @triton.jit
+    def _moe_out_kernel(h_ptr, y_ptr, wd_ptr, wu_ptr, out_ptr, M, N, stride_h, stride_y, stride_wd, stride_wu,
+                        stride_out, DS: tl.constexpr, LS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        """out[:, n block] = bf16(bf16(h W_d[n, :DS]^T) + y[:, :LS] W_u[n, :LS]^T); the pointers
+        are at the blocks' first columns."""
         pdl_wait(PDL)
         rm = tl.arange(0, BM)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         m_ok, n_ok = rm < M, rn < N
-        ss = tl.zeros([BM], dtype=tl.float32)  # the latent row's sum of squares (all L columns)
-        for k0 in range(0, L, BK):
-            rk = k0 + tl.arange(0, BK)
-            v = tl.load(y_ptr + rm[:, None] * stride_y + rk[None, :], mask=m_ok[:, None] & (rk[None, :] < L),
-                        other=0.0).to(tl.float32)
-            ss += tl.sum(v * v, 1)
-        rstd = tl.math.rsqrt(ss / L + eps)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, DS, BK):
-            rk = k0 + tl.arange(0, BK)
-            k_ok = rk < DS
-            a = tl.load(h_ptr + rm[:, None] * stride_h + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(wd_ptr + rn[:, None] * stride_wd + d0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc = _dot(a, w, acc, DOT_F32)
-        shared = bf16_round(acc, True)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, LS, BK):
-            rk = k0 + tl.arange(0, BK)
-            k_ok = rk < LS
-            v = tl.load(y_ptr + rm[:, None] * stride_y + l0 + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + l0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            a = bf16_round(bf16_round(v * rstd[:, None], True) * g[None, :], True)
-            w = tl.load(wu_ptr + rn[:, None] * stride_wu + l0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc = _dot(a, w, acc, DOT_F32)
-        out = bf16_round(acc + shared, True)
+        zero = tl.zeros([BM, BN], dtype=tl.float32)
+        shared = bf16_round(_block_dot(h_ptr, wd_ptr, rm, rn, m_ok, n_ok, stride_h, stride_wd, zero, DS, BK, DOT_F32),
+                            True)
+        out = _block_dot(y_ptr, wu_ptr, rm, rn, m_ok, n_ok, stride_y, stride_wu, shared, LS, BK, DOT_F32)
         tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
 @functools.lru_cache(maxsize=None)
 def out_config(M: int) -> dict[str, int]:
-    return dict(BM=max(16, triton.next_power_of_2(M)), BN=16, BK=128, num_warps=4, num_stages=3)
+    return dict(BM=max(16, triton.next_power_of_2(M)), BN=32, BK=256, num_warps=4, num_stages=2)
 
 
-def _run_out(h, y, norm_weight, eps, down_weight, up_weight, shard, shards, cfg: dict | None = None) -> Tensor:
-    M, L = y.shape
+def _run_out(h, normed, down_weight, up_weight, shard, shards, cfg: dict | None = None) -> Tensor:
+    M = h.shape[0]
     N = down_weight.shape[0]
     d0, ds = blocks(down_weight.shape[1], shard, shards)
-    l0, ls = blocks(L, shard, shards)
-    assert down_weight.stride(1) == 1 and up_weight.stride(1) == 1 and h.shape[1] == ds
+    l0, ls = blocks(up_weight.shape[1], shard, shards)
+    assert down_weight.stride(1) == 1 and up_weight.stride(1) == 1 and normed.stride(1) == 1 and h.shape[1] == ds
     cfg = dict(cfg or out_config(M))
     out = torch.empty(M, N, dtype=h.dtype, device=h.device)
     _moe_out_kernel[(triton.cdiv(N, cfg["BN"]),)](
-        h, y, norm_weight, down_weight, up_weight, out, M, N, L, d0, l0, eps, h.stride(0), y.stride(0),
-        down_weight.stride(0), up_weight.stride(0), out.stride(0), DS=ds, LS=ls, DOT_F32=INTERPRET,
-        **cfg, **pdl(h.device))
+        h, normed[:, l0:], down_weight[:, d0:], up_weight[:, l0:], out, M, N, h.stride(0), normed.stride(0),
+        down_weight.stride(0), up_weight.stride(0), out.stride(0), DS=ds, LS=ls, DOT_F32=INTERPRET, **cfg,
+        **pdl(h.device))
     return out

@@ -130,6 +130,36 @@ def _triton_moe_on_cpu() -> None:
     triton_moe.TritonExperts._supports_current_device = staticmethod(lambda: True)
 
 
+@_shim("amd-quark stand-in", "vLLM's emulation MoE backend (MXFP4 experts kept in the checkpoint layout) needs "
+       "amd-quark: its support check, and quark.torch.kernel.mx.dq_mxfp4 to dequantise the experts per forward; "
+       "where amd-quark is not installed, a stand-in module computes dq_mxfp4 with vLLM's own torch MXFP4 "
+       "dequantisation of that layout (fused_moe.flashinfer_moe_ep)")
+def _quark_stand_in() -> None:
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("quark") is not None:
+        return
+
+    def dq_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[..., K / 2] uint8 codes + [..., K / 32] uint8 E8M0 scales -> [..., K] ``dtype``."""
+        from vllm.model_executor.layers.fused_moe.flashinfer_moe_ep import _dequant_mxfp4_ue8m0_gran32
+
+        rows = _dequant_mxfp4_ue8m0_gran32(packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1]))
+        return rows.view(*packed.shape[:-1], -1).to(dtype)
+
+    names = ("quark", "quark.torch", "quark.torch.kernel", "quark.torch.kernel.mx")
+    modules = [types.ModuleType(name) for name in names]
+    for module in modules:
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None, is_package=True)
+    for parent, child in zip(modules, modules[1:]):
+        setattr(parent, child.__name__.rsplit(".", 1)[1], child)
+    modules[-1].dq_mxfp4 = dq_mxfp4
+    sys.modules.update(zip(names, modules))
+
+
 @_shim("MoERunner._select_forward", "the MoE runs as torch.ops.vllm.moe_forward(_shared), the opaque op CUDA "
        "uses (the CPU platform calls the Python function directly)")
 def _moe_forward_op() -> None:
@@ -567,15 +597,20 @@ def config_for(preset: str = "tiny", layers: int | None = None):
 
 
 @functools.cache
-def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None) -> Path:
+def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None, experts: str = "bf16") -> Path:
     """A checkpoint folder (config.json + model.safetensors) of our replica's random
-    weights for ``config_for(preset, layers)``, written once per process."""
+    weights for ``config_for(preset, layers)``, written once per process. ``experts``:
+    "bf16", or "mxfp4" (routed experts as ``weight_packed`` + ``weight_scale``; the
+    config's ``quantization_config`` names vLLM's ``mxfp4`` quant method)."""
     from .stock.checkpoint import random_checkpoint, save_checkpoint
 
     config = config_for(preset, layers)
+    tensors = random_checkpoint(config, seed, experts)
+    if experts == "mxfp4":
+        config = config.replace(extra={**config.extra, "quantization_config": {"quant_method": "mxfp4"}})
     path = Path(tempfile.mkdtemp(prefix=f"kimi-vllm-{preset}-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
-    save_checkpoint(path, config, random_checkpoint(config, seed))
+    save_checkpoint(path, config, tensors)
     return path
 
 
@@ -583,18 +618,21 @@ def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None) -
 def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256):
     """A ``VllmConfig`` for the checkpoint at ``path``: TP ``tp``, PP 1, expert parallel
     on (with DP > 1 this is the layout that runs K3 sequence-parallel on H200), bf16,
-    prefix caching off, eager (vLLM compiles nothing itself; ``capture`` does)."""
+    prefix caching off, eager (vLLM compiles nothing itself; ``capture`` does). MoE
+    backend: H200's unquantized one (triton) for bf16 experts, emulation for MXFP4 ones
+    (the backend that keeps their checkpoint layout)."""
     from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, KernelConfig, ModelConfig,
                              ParallelConfig, VllmConfig)
 
+    model_config = ModelConfig(model=str(path), skip_tokenizer_init=True, max_model_len=max_model_len,
+                               dtype="bfloat16")
     return VllmConfig(
-        model_config=ModelConfig(model=str(path), skip_tokenizer_init=True, max_model_len=max_model_len,
-                                 dtype="bfloat16"),
+        model_config=model_config,
         device_config=DeviceConfig(device="cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=True),
         cache_config=CacheConfig(enable_prefix_caching=False, mamba_cache_mode="none", block_size=BLOCK_SIZE),
         compilation_config=CompilationConfig(mode=0),
-        kernel_config=KernelConfig(moe_backend="triton"))  # H200's unquantized MoE backend
+        kernel_config=KernelConfig(moe_backend="emulation" if model_config.quantization == "mxfp4" else "triton"))
 
 
 def _cuda_environment() -> None:
@@ -675,7 +713,7 @@ def _fake_subgroups(active: bool) -> Iterator[None]:
 
 
 def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", preset: str = "tiny",
-          layers: int | None = None, seed: int = 0):
+          layers: int | None = None, seed: int = 0, experts: str = "bf16"):
     """``(vllm_config, model)``: vLLM's ``KimiLinearForCausalLM`` (its backbone is
     ``model.model``, a ``KimiLinearModel``) on this rank, with our replica's random
     weights for ``preset`` loaded through vLLM's ``load_weights``, and its caches bound.
@@ -683,8 +721,9 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
     ``sp``: at TP > 1, build in vLLM's sequence-parallel layout (PP 1, EP on and DP 2
     while the layers are constructed, which is what makes vLLM choose SP without
     MegaMoE); otherwise plain TP. ``group``: ``"fake"`` starts a fake process group of
-    ``tp`` ranks (capture only) as ``rank``; ``"gloo"`` uses the caller's world. Once per
-    process (vLLM's distributed state and layer registry are global)."""
+    ``tp`` ranks (capture only) as ``rank``; ``"gloo"`` uses the caller's world.
+    ``experts``: as ``checkpoint`` (MXFP4 ones run on vLLM's emulation MoE backend). Once
+    per process (vLLM's distributed state and layer registry are global)."""
     install()
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -693,7 +732,7 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
     from .stock.checkpoint import load_checkpoint
     from . import vllm_k3
 
-    path = checkpoint(preset, seed, layers)
+    path = checkpoint(preset, seed, layers, experts)
     vllm_config = vllm_config_for(path, tp)
     _cuda_environment()
     with set_current_vllm_config(vllm_config):

@@ -14,18 +14,26 @@ forward context and uses, as loaded:
 
 * its shared experts module and its router (``select_experts``: vLLM's routing, bias for
   selection only, renormalised and scaled weights);
-* its routed experts' ``w13_weight`` [E_local, 2 I, L] (gate rows first) and
-  ``w2_weight`` [E_local, L, I], bf16, with vLLM's contiguous expert-parallel partition
-  (rank r holds experts [r E_local, (r + 1) E_local): checked against the layer's expert
-  map), SiTU's two betas from the layer's MoE config;
+* its routed experts, with vLLM's contiguous expert-parallel partition (rank r holds
+  experts [r E_local, (r + 1) E_local): checked against the layer's expert map) and
+  SiTU's two betas from the layer's MoE config. The experts are either bf16 (fp16, fp32)
+  ``w13_weight`` [E_local, 2 I, L] (gate rows, then up rows) and ``w2_weight``
+  [E_local, L, I], or MXFP4 as the checkpoint ships them (``stock.mxfp4``: two E2M1
+  codes per byte along the input dimension, low nibble the even element; one E8M0 scale
+  per 32 inputs): ``w13_weight`` [E_local, 2 I, L / 2] + ``w13_weight_scale``
+  [E_local, 2 I, L / 32], ``w2_weight`` [E_local, L, I / 2] + ``w2_weight_scale``
+  [E_local, L, I / 32], all uint8 and contiguous. vLLM keeps that layout only under its
+  ``mxfp4`` quant method with the emulation MoE backend (``moe_backend="emulation"``,
+  W4A16); our op takes those tensors as they are (no copy). MXFP4 experts another
+  backend re-laid out (Marlin, Triton swizzle, CUTLASS scales, ...) and every other
+  quantization raise ``ValueError`` naming the cause and the fix;
 * ``forward_context.is_padding`` [T] (all T rows of the step): the rows of this shard
   that are padding (or the SP pad beyond T) get expert id -1 and weight 0, so no rank
   computes them; their routed output is zero (vLLM computes and discards them).
 
 The routed experts then run as ``kimi_kernels::mega_moe`` over vLLM's EP group
 (dispatch all-gather, grouped experts, combine reduce-scatter; DeepGEMM on SM100). The
-layer's ``max_num_tokens`` bounds the rows. Quantized experts raise ``ValueError``
-(MXFP4 on Hopper: issue 18).
+layer's ``max_num_tokens`` bounds the rows.
 """
 
 from __future__ import annotations
@@ -63,13 +71,54 @@ def _padding(rows: int, sequence_parallel: bool) -> Tensor | None:
 _CONTIGUOUS: set[str] = set()  # layers whose expert map was checked (vLLM's warmup runs before CUDA-graph capture)
 
 
-def _experts(runner) -> tuple[Tensor, Tensor, int]:
-    """(w13, w2, first global expert id) of this rank, as vLLM loaded them."""
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FIX = ("load MXFP4 experts with vLLM's 'mxfp4' quant method (quantization_config.quant_method 'mxfp4') and "
+        "request its emulation MXFP4 MoE backend (moe_backend='emulation' / --moe-backend emulation; vLLM needs "
+        "amd-quark for it) so that the experts keep the checkpoint layout, or leave 'mega_moe' out of the passes")
+
+
+def _checkpoint_mxfp4(w13: Tensor, w2: Tensor, w13_scale, w2_scale) -> bool:
+    """Whether the four tensors are MXFP4 experts in the checkpoint layout (module docstring)."""
+    if w13_scale is None or w2_scale is None or w13.dim() != 3:
+        return False
+    E, two_i, half_l = w13.shape
+    L, I = 2 * half_l, two_i // 2
+    want = ((w13, (E, 2 * I, L // 2)), (w13_scale, (E, 2 * I, L // 32)),
+            (w2, (E, L, I // 2)), (w2_scale, (E, L, I // 32)))
+    return L % 32 == 0 and I % 32 == 0 and all(
+        t.dtype == torch.uint8 and t.is_contiguous() and tuple(t.shape) == shape for t, shape in want)
+
+
+def _mxfp4_scales(runner) -> tuple[Tensor, Tensor]:
+    """(w13_scale, w2_scale) of routed experts vLLM keeps in the MXFP4 checkpoint layout
+    (its emulation MoE backend, W4A16); ``ValueError`` with the cause and the fix for any
+    other quantized experts."""
+    experts = runner.routed_experts
+    method = getattr(experts, "quant_method", None)
+    backend = getattr(getattr(method, "mxfp4_backend", None), "value", None)
+    scales = getattr(experts, "w13_weight_scale", None), getattr(experts, "w2_weight_scale", None)
+    if backend != "EMULATION":
+        how = f"MXFP4 MoE backend {backend}, which re-lays them out for its kernel" if backend else \
+            "no MXFP4 MoE backend"
+        cause = f"{experts.w13_weight.dtype} experts of {type(method).__name__} with {how}"
+    elif not getattr(getattr(method, "moe_quant_config", None), "use_mxfp4_w4a16", False):
+        cause = "MXFP4 experts with quantized activations (our op runs them W4A16)"
+    elif not _checkpoint_mxfp4(experts.w13_weight, experts.w2_weight, *scales):
+        shapes = [None if t is None else tuple(t.shape) for t in (experts.w13_weight, scales[0], experts.w2_weight,
+                                                                  scales[1])]
+        cause = f"MXFP4 experts not in the checkpoint layout (w13, w13_scale, w2, w2_scale: {shapes})"
+    else:
+        return scales
+    raise ValueError(f"kimi_vllm.mega_moe runs bf16 experts or MXFP4 experts in the checkpoint layout; layer "
+                     f"{runner.layer_name} has {cause}. Fix: {_FIX}")
+
+
+def _experts(runner) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, int]:
+    """(w13, w2, w13_scale, w2_scale, first global expert id) of this rank, as vLLM loaded
+    them (the scales None for bf16 experts)."""
     experts, config = runner.routed_experts, runner.moe_config
     w13, w2 = experts.w13_weight, experts.w2_weight
-    if w13.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"kimi_vllm.mega_moe runs unquantized experts; layer {runner.layer_name} has {w13.dtype} "
-                         "experts (MXFP4 experts on Hopper: issue 18). Leave 'mega_moe' out of the passes.")
+    scales = (None, None) if w13.dtype in _FLOATS else _mxfp4_scales(runner)
     first = config.ep_rank * w13.shape[0]
     expert_map = experts.expert_map
     if expert_map is not None and runner.layer_name not in _CONTIGUOUS:  # checked once (a host sync): warmup
@@ -79,7 +128,7 @@ def _experts(runner) -> tuple[Tensor, Tensor, int]:
                              f"[{first}, {first + w13.shape[0]}) (EPLB or a non-linear expert placement); "
                              "kimi_vllm.mega_moe needs vLLM's default linear placement")
         _CONTIGUOUS.add(runner.layer_name)
-    return w13, w2, first
+    return w13, w2, *scales, first
 
 
 def _group_name(runner) -> str:
@@ -99,13 +148,13 @@ def mega_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
     if pad is not None:
         weights = weights.masked_fill(pad[:, None], 0.0)
         ids = ids.masked_fill(pad[:, None], -1)
-    w13, w2, first = _experts(runner)
+    w13, w2, w13_scale, w2_scale, first = _experts(runner)
     betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
     if None in betas:
         raise ValueError(f"layer {runner.layer_name}: kimi_vllm.mega_moe runs SiTU experts with both betas set; its "
                          f"MoE config has activation_situ_beta, activation_situ_linear_beta = {betas}")
     routed = ep.mega_moe(latent, weights.float(), ids.int(), w13, w2, first, _group_name(runner),
-                         config.max_num_tokens, *betas)
+                         config.max_num_tokens, *betas, w13_scale, w2_scale)
     return shared, routed
 
 

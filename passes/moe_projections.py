@@ -10,8 +10,8 @@ rows; block r of G: rows or columns [r n / G, (r + 1) n / G) of a dimension of n
     up     = mm(x, permute(W_gu[D + the same block]))        weight [2 D, H]
     h      = situ_and_mul(gate, up)                          (stock's SiTU: gemm_neighbours)
         -> logits, z, h = moe_in(x, W_router, W_latent, W_gu, r, G, beta, linear_beta)
-    o = addmm(mm(h, permute(W_down[:, block r])), rms_norm(y)[:, block r], permute(W_up[:, block r]))
-        -> o = moe_out(h, y, norm_weight, eps, W_down, W_up, r, G)
+    o = addmm(mm(h, permute(W_down[:, block r])), normed[:, block r], permute(W_up[:, block r]))
+        -> o = moe_out(h, normed, W_down, W_up, r, G)     (normed: the routed output's RMSNorm)
 
 Each op computes the replaced ops' function (its CPU reference is them; on CPU the
 lowered layer is the unlowered one). Only these exact shapes are taken: anything else
@@ -31,7 +31,7 @@ from torch import fx
 from kimi_inductor.kernels import moe_projections as kernel
 
 from .decoder import Layer, _between
-from .gemm_neighbours import match_gemm, rms_norm_of, situ_pair_of
+from .gemm_neighbours import match_gemm, situ_pair_of
 
 aten = torch.ops.aten
 kk = torch.ops.kimi_kernels
@@ -103,19 +103,15 @@ def _bind_out(gemms: dict, tails: list[fx.Node]) -> SimpleNamespace | str:
         return f"moe_out: {rows} rows (the kernel takes up to {kernel.MAX_ROWS_OUT})"
     if shared is None or shared[2] is not None or _block(shared[1], 1) is None or len(acc.users) != 1:
         return "moe_out: the accumulator is not the shared experts' down-projection block (read once)"
-    latent_block, norm = _block(normed, 1), None
-    if latent_block is not None:
-        norm = rms_norm_of(latent_block[0])
-    if norm is None:
-        return "moe_out: the up-projection does not read a column block of the latent RMSNorm"
+    latent_block = _block(normed, 1)
+    if latent_block is None:
+        return "moe_out: the up-projection does not read a column block of the latent"
     (w_down, d0, dw), (w_u, l0, lw) = _block(shared[1], 1), _block(w_up, 1)
     shard_d = _shard(d0, dw, w_down.meta["val"].shape[1])
     shard_l = _shard(l0, lw, w_u.meta["val"].shape[1])
     if shard_d is None or shard_d != shard_l or latent_block[1:] != (l0, lw):
-        return "moe_out: the down, norm and up blocks are not the same rank's block"
-    y, norm_weight, eps = norm
-    return SimpleNamespace(tail=tail, h=shared[0], y=y, norm_weight=norm_weight, eps=eps, w_down=w_down, w_up=w_u,
-                           shard=shard_d)
+        return "moe_out: the down, latent and up blocks are not the same rank's block"
+    return SimpleNamespace(tail=tail, h=shared[0], normed=latent_block[0], w_down=w_down, w_up=w_u, shard=shard_d)
 
 
 def lower(g: fx.Graph, b: SimpleNamespace) -> list[tuple[fx.Node, str]]:
@@ -140,7 +136,7 @@ def lower(g: fx.Graph, b: SimpleNamespace) -> list[tuple[fx.Node, str]]:
     if not isinstance(b.out, str):
         p = b.out
         with g.inserting_before(p.tail):
-            call = g.call_function(kk.moe_out.default, (renamed.get(p.h, p.h), p.y, p.norm_weight, p.eps, p.w_down, p.w_up, *p.shard))
+            call = g.call_function(kk.moe_out.default, (renamed.get(p.h, p.h), p.normed, p.w_down, p.w_up, *p.shard))
         call.meta["val"] = p.tail.meta["val"]
         p.tail.replace_all_uses_with(call)
         new.append((call, "moe_out"))

@@ -277,12 +277,12 @@ def test_our_moe_op_refuses_experts_it_cannot_run():
         return SimpleNamespace(layer_name="model.layers.1.mlp.experts", routed_experts=experts,
                                moe_config=SimpleNamespace(ep_rank=ep_rank))
 
-    with pytest.raises(ValueError, match="unquantized experts.*issue 18"):
+    with pytest.raises(ValueError, match=r"bf16 experts or MXFP4 experts in the checkpoint layout.*Fix: "):
         vllm_moe._experts(runner(torch.uint8))
     shuffled = torch.tensor([-1, -1, 1, 0], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"not the contiguous block \[2, 4\)"):
         vllm_moe._experts(runner(torch.bfloat16, shuffled))
-    w13, _, first = vllm_moe._experts(runner(torch.bfloat16, torch.tensor([-1, -1, 0, 1], dtype=torch.int32)))
+    w13, *_, first = vllm_moe._experts(runner(torch.bfloat16, torch.tensor([-1, -1, 0, 1], dtype=torch.int32)))
     assert first == 2 and w13.shape == (2, 8, 4)
 
 

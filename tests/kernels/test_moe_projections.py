@@ -33,17 +33,20 @@ def rows(M, n, seed, scale=1.0):
 @pytest.mark.parametrize("M", [1, 3, 8, 64])
 @pytest.mark.parametrize("shard, shards", [(0, 1), (1, 2), (3, 8)])
 def test_moe_out_matches_its_reference(M, shard, shards):
-    """Same rounding points, fp32 summation order only (interpreter: fp32 dots; GPU: tensor
-    cores): within one bf16 ulp of the output and of the normalised latent's rounding."""
+    """Same rounding points (the shared partial rounded to bf16, then the up-projection
+    added in fp32 and rounded), fp32 summation order only (interpreter: fp32 dots; GPU:
+    tensor cores): within one bf16 ulp of the shared partial plus one of the output."""
     H, D, L, _ = SHAPE
     w = weights(*SHAPE)
-    h, y = rows(M, D // shards, M, 2.0), rows(M, L, M + 1, 3.0)
-    want = mp.moe_out_reference(h, y, w["norm"], 1e-5, w["down"], w["up"], shard, shards)
-    got = torch.ops.kimi_kernels.moe_out(h, y, w["norm"], 1e-5, w["down"], w["up"], shard, shards)
+    h, normed = rows(M, D // shards, M, 2.0), rows(M, L, M + 1)
+    want = mp.moe_out_reference(h, normed, w["down"], w["up"], shard, shards)
+    got = torch.ops.kimi_kernels.moe_out(h, normed, w["down"], w["up"], shard, shards)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
-    assert mp.implementation_out(h, y)[0] == ("triton" if DEVICE == "cuda" or mp.INTERPRET else "reference")
+    assert mp.implementation_out(h, normed)[0] == ("triton" if DEVICE == "cuda" or mp.INTERPRET else "reference")
+    a, width = mp.blocks(D, shard, shards)
+    shared = (h @ w["down"][:, a:a + width].t()).float().abs()
     err = (got.float() - want.float()).abs()
-    assert (err <= 2.0**-6 * want.float().abs().clamp_min(1.0)).all(), err.max()
+    assert (err <= 2.0**-7 * (want.float().abs() + shared) + 1e-3).all(), err.max()
 
 
 @pytest.mark.gpu
