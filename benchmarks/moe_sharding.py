@@ -20,7 +20,8 @@ Each layout is one function compiled by Inductor (``torch.compile``, same settin
 both) and timed in a CUDA graph (``common.graph_time_us``); the floor is its weight
 bytes at 4.28 TB/s. A third column, ``kimi``: the sharded layer as ``lower_kernels``
 emits it (``kimi_kernels.moe_in`` / ``moe_out`` within their row limits, else the GEMMs as
-the pass leaves them; routing and the latent RMSNorm compiled by Inductor), its output
+the pass leaves them; ``kimi_kernels.select_experts``; the latent RMSNorm compiled by
+Inductor), its output
 checked against the sharded form's. ``--sweep`` also times the two ops' configurations
 alone and the ops each replaces; ``--profile`` lists the kimi layer's kernels.
 
@@ -97,8 +98,8 @@ def kimi_layer(x, y, w, cfg, shard, shards):
     """The sharded layer as lower_kernels emits it (rank ``shard`` of ``shards``)."""
     M = x.shape[0]
     logits, z, h = projections_in(x, w, cfg, shard, shards, M <= moe_projections.MAX_ROWS_IN)
-    weights, ids = select_experts(logits, w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize,
-                                  cfg.routed_scaling_factor)
+    weights, ids = torch.ops.kimi_kernels.select_experts(logits, w["bias"], cfg.num_experts_per_token,
+                                                         cfg.moe_renormalize, cfg.routed_scaling_factor)
     normed = rms_norm(y, w["norm"], cfg.rms_norm_eps)
     out = projections_out(h, normed, w, shard, shards, M <= moe_projections.MAX_ROWS_OUT)
     return out, z, weights, ids
@@ -150,8 +151,14 @@ def sweep(res, x, y, w, cfg, G):
                 rows.append(dict(op="moe_out", config=c, us=t))
     unfused = torch.compile(lambda h, y: projections_out(h, y, w, 0, G, False), dynamic=False)
     rows.append(dict(op="moe_out replaced ops", us=graph_time_us(lambda i: unfused(h, y), calls=10, replays=5)))
+    logits = torch.randn(M, w["gate"].shape[0], device=x.device)
+    route = (w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+    rows.append(dict(op="select_experts", us=graph_time_us(
+        lambda i: torch.ops.kimi_kernels.select_experts(logits, *route), calls=10, replays=5)))
+    stock = torch.compile(lambda l: select_experts(l, *route), dynamic=False)
+    rows.append(dict(op="select_experts replaced ops", us=graph_time_us(lambda i: stock(logits), calls=10, replays=5)))
     best = {op: min((r for r in rows if r["op"] == op), key=lambda r: r["us"])
-            for op in ("moe_in", "moe_out", "moe_in replaced ops", "moe_out replaced ops") if any(r["op"] == op for r in rows)}
+            for op in {r["op"] for r in rows}}
     res.add(rows=M, sweep_best=best, sweep=sorted(rows, key=lambda r: (r["op"], r["us"])), echo=False)
     print(M, best, flush=True)
 

@@ -22,7 +22,9 @@ Matches and produces (M = rows, at most 64):
     situ_and_mul(<GEMM>(x, W), b, lb)               kimi_kernels.mm_situ(x, W, b, lb)
     a sharded_moe layer's router, latent down,      kimi_kernels.moe_in(...) and moe_out(...)
       shared block with SiTU / its down and up        (passes/moe_projections.py)
-      blocks with the latent RMSNorm
+      blocks
+    stock's select_experts (sigmoid, biased top-k,  kimi_kernels.select_experts(...)
+      gather, renormalise, scale)                     (passes/moe_router.py)
 
 The two fusions (patterns in ``gemm_neighbours``) happen only where the CuTe GEMV runs
 the GEMM (``skinny_gemm.choose_fused``); elsewhere the GEMM is lowered alone.
@@ -57,7 +59,7 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from . import moe_projections, roles, vllm_kda, vllm_mla
+from . import moe_projections, moe_router, roles, vllm_kda, vllm_mla
 from .decoder import _between
 from .gemm_neighbours import match_gemm, rms_norm_of, situ_of
 from .graph import OpCall, TritonCall
@@ -173,6 +175,12 @@ class LowerKernels:
             lowered_here = moe_projections.lower(g, bound)
             per_node.update(lowered_here)
             info.rewritten += bool(lowered_here)
+        for topk in [n for n in g.nodes if n.target is aten.topk.default]:  # the MoE router's choice
+            bound = moe_router.bind(topk)
+            if bound is not None:
+                info.matched += 1
+                per_node[moe_router.lower(g, bound)] = "route"
+                info.rewritten += 1
         _dead_code_out(g)
         situ_after = {m[0]: (n, *m[1:]) for n in g.nodes if (m := situ_of(n)) is not None}  # GEMM -> its SiTU
         for node in list(g.nodes):
@@ -299,7 +307,7 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM",
           "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
           "moe_in": "router + latent down + shared gate/up SiTU (one GEMV)",
-          "moe_out": "shared down + latent RMSNorm + up (one GEMM)"}
+          "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}
 
 
 def _summary(nodes, per_node) -> str:

@@ -383,9 +383,14 @@ class MoEInGemv:
                 self.segments[2].tile_of(x, w_shared, x, x, shared, bx - b1, load_w, load_x)
 
 
+# rows -> the best ``MoEInGemv`` configuration of the H200 sweep at K3 shapes, G = 8
+# (benchmarks/moe_sharding.py --sweep, docs/results/moe_sharding_h200_v2.json)
+TUNED_MOE_IN = {1: Config(2, 8, 1, 4), 2: Config(1, 4, 1, 2), 8: Config(1, 8, 1, 4)}
+
+
 def moe_in_config(M: int) -> Config:
-    """One output per warp up to 2 rows, two up to 8 (x loads per weight load fall with R)."""
-    return Config(1 if M <= 2 else 2, 4, 1, 4)
+    """TUNED_MOE_IN where measured; else one output per warp, 4 warps, 4 steps unrolled."""
+    return TUNED_MOE_IN.get(M, Config(1, 4, 1, 4))
 
 
 def compile_moe_in(M: int, K: int, n_router: int, n_latent: int, gate_up_rows: int, width: int,
