@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
 
-from kimi_inductor.kernels import moe_projections, skinny_gemm  # noqa: E402
+from kimi_inductor.kernels import moe_projections, moe_router, skinny_gemm  # noqa: E402
 from kimi_inductor.stock.config import KimiK3Config  # noqa: E402
 from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
 from kimi_inductor.stock.attn_res import rms_norm  # noqa: E402
@@ -130,9 +130,10 @@ def sweep(res, x, y, w, cfg, G):
 
     situ = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     M = x.shape[0]
+    chosen_warps = moe_router.WARPS
     h = x[:, :w["shared_down"].shape[1] // G].contiguous()
     rows = []
-    if M <= 8 and not skinny_gemm.cute_available():
+    if M <= moe_projections.MAX_ROWS_IN and not skinny_gemm.cute_available():
         for r in (1, 2):
             for warps in (4, 8):
                 for unroll in (2, 4):
@@ -143,7 +144,7 @@ def sweep(res, x, y, w, cfg, G):
         unfused = torch.compile(lambda x: projections_in(x, w, cfg, 0, G, False), dynamic=False)
         rows.append(dict(op="moe_in replaced ops", us=graph_time_us(lambda i: unfused(x), calls=10, replays=5)))
     for bn in (32, 64):
-        for bk in (256, 512):
+        for bk in (128, 256):
             for stages in (2, 3):
                 c = dict(BM=max(16, 1 << (M - 1).bit_length()), BN=bn, BK=bk, num_warps=4, num_stages=stages)
                 t = graph_time_us(lambda i: moe_projections._run_out(h, y, w["shared_down"], w["up"], 0, G, c),
@@ -153,8 +154,11 @@ def sweep(res, x, y, w, cfg, G):
     rows.append(dict(op="moe_out replaced ops", us=graph_time_us(lambda i: unfused(h, y), calls=10, replays=5)))
     logits = torch.randn(M, w["gate"].shape[0], device=x.device)
     route = (w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
-    rows.append(dict(op="select_experts", us=graph_time_us(
-        lambda i: torch.ops.kimi_kernels.select_experts(logits, *route), calls=10, replays=5)))
+    for warps in (1, 2, 4):
+        moe_router.WARPS = warps
+        rows.append(dict(op="select_experts", config=dict(num_warps=warps), us=graph_time_us(
+            lambda i: torch.ops.kimi_kernels.select_experts(logits, *route), calls=10, replays=5)))
+    moe_router.WARPS = chosen_warps
     stock = torch.compile(lambda l: select_experts(l, *route), dynamic=False)
     rows.append(dict(op="select_experts replaced ops", us=graph_time_us(lambda i: stock(logits), calls=10, replays=5)))
     best = {op: min((r for r in rows if r["op"] == op), key=lambda r: r["us"])

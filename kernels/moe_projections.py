@@ -22,7 +22,7 @@ weights: no per-rank copies).
 
 GPU implementations (decode: the weights are the bytes):
   * ``moe_in``: the CuTe DSL GEMV's grouped form (``skinny_gemm.cute_gemv.MoEInGemv``):
-    router, latent and the shared gate / up block share x and one launch, M <= 8;
+    router, latent and the shared gate / up block share x and one launch, M <= 4;
   * ``moe_out``: Triton, one program per BN output columns: h and the normalised latent's
     block against the two weights' column blocks, one K loop each (tensor-core ``tl.dot``,
     rows padded to 16), M <= 64.
@@ -43,7 +43,7 @@ from .common import INTERPRET, bf16_round, pdl, pdl_wait, tl, triton
 from . import skinny_gemm
 
 NAMESPACE = "kimi_kernels"
-MAX_ROWS_IN = 8  # the CuTe GEMV's CUDA cores keep up with the weight stream
+MAX_ROWS_IN = 4  # measured faster than the ops it replaces up to 4 rows (49.6 vs 47.5 us at 8: H200)
 MAX_ROWS_OUT = 64
 
 
@@ -179,7 +179,10 @@ if triton is not None:
 
 @functools.lru_cache(maxsize=None)
 def out_config(M: int) -> dict[str, int]:
-    return dict(BM=max(16, triton.next_power_of_2(M)), BN=32, BK=256, num_warps=4, num_stages=2)
+    """The H200 sweep's best (benchmarks/moe_sharding.py --sweep): 32 columns per program
+    up to 16 rows, 64 from there."""
+    return dict(BM=max(16, triton.next_power_of_2(M)), BN=32 if M <= 16 else 64, BK=256, num_warps=4,
+                num_stages=3)
 
 
 def _run_out(h, normed, down_weight, up_weight, shard, shards, cfg: dict | None = None) -> Tensor:

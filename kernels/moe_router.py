@@ -26,6 +26,7 @@ from .common import INTERPRET, pdl, pdl_wait, tl, triton
 
 NAMESPACE = "kimi_kernels"
 MAX_EXPERTS = 4096
+WARPS = 4  # per row's program
 
 
 def implementation(logits: Tensor, top_k: int) -> tuple[str, str]:
@@ -50,7 +51,7 @@ def select_experts(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool,
     if M:
         _select_kernel[(M,)](logits, bias.float().contiguous(), weights, ids, E, logits.stride(0), scale, K=top_k,
                              BK=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(E), RENORM=renormalize,
-                             num_warps=4, **pdl(logits.device))
+                             num_warps=WARPS, **pdl(logits.device))
     return weights, ids
 
 

@@ -52,7 +52,7 @@ def test_moe_out_matches_its_reference(M, shard, shards):
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 2, 4, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
 @pytest.mark.parametrize("shard, shards", [(0, 8), (5, 8), (1, 2)])
 def test_moe_in_matches_its_reference(M, shard, shards):
     """Logits: fp32 sums of exact products (1e-5); latent: one bf16 rounding; h: stock's
