@@ -5,7 +5,9 @@ Per rank and layer, at R rows (q = 1):
 
     attention   KDA or MLA layer step (``kda_layer_q1_h200_v6``, ``mla_layer_h200_v2`` / ``_v1``)
     AttnRes     2 fused calls (``attn_res_h200_v2``: the median over 1-7 saved blocks)
-    MoE         non-expert work: row shard or sharded_moe (``moe_sharding_h200_v1``)
+    MoE         non-expert work (``moe_sharding_h200_v2``, one run): the row shard, the
+                sharded layer as Inductor compiles it, or as lower_kernels runs it
+                (``kimi_us``: moe_in, select_experts, moe_out)
     experts     the slowest rank's experts: E[max over the 8 EP ranks of the distinct
                 experts R rows pick there] (uniform top-16 of 896, simulated) x our
                 grouped kernel's time per active expert at EP 8 shapes
@@ -18,13 +20,14 @@ Per rank and layer, at R rows (q = 1):
 
 Token = 68 KDA + 24 MLA MoE layers + layer 0 (KDA, dense MLP at its TP 8 byte floor);
 the embedding, final norm and LM head are left out. ``row_shard`` is main before
-sharded_moe; ``sharded`` is main now (bf16 experts); ``sharded_mxfp4`` is main now with
-the released checkpoint's MXFP4 experts.
+sharded_moe (17965bb); ``sharded`` is sharded_moe with its projections on Inductor (main
+before the projection kernels); ``main`` is main now (bf16 experts); ``main_mxfp4`` is
+main now with the released checkpoint's MXFP4 experts.
 
     python benchmarks/project_token.py [--json X] [--plot PNG]
 
 ``--plot``: where a KDA MoE layer's time goes (attention, AttnRes, MoE non-expert,
-experts, collectives) per row count, row shard beside sharded.
+experts, collectives) per row count: row shard, sharded (Inductor projections), main.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def _rows(name: str) -> list[dict]:
 
 
 def _at(rows: list[dict], R: int, key: str, **match) -> float:
-    vals = [r[key] for r in rows if r.get("rows") == R and all(r.get(k) == v for k, v in match.items())]
+    vals = [r[key] for r in rows if key in r and r.get("rows") == R and all(r.get(k) == v for k, v in match.items())]
     if not vals:
         raise KeyError(f"no {key} at {R} rows {match}")
     return statistics.median(vals)
@@ -69,7 +72,8 @@ def project(R: int) -> dict:
     except KeyError:
         mla = _at(_rows("mla_layer_h200_v1.json"), R, "kimi_us", q=1)
     attn_res = 2 * _at(_rows("attn_res_h200_v2.json"), R, "ours_us")
-    moe = {layout: _at(_rows("moe_sharding_h200_v1.json"), R, f"{layout}_us") for layout in ("row_shard", "sharded")}
+    moe = {layout: _at(_rows("moe_sharding_h200_v2.json"), R, f"{layout}_us")
+           for layout in ("row_shard", "sharded", "kimi")}
     ex = [r for r in _rows("moe_experts_h200_v1.json") if r["experts"] == 112 and r["rows"] == R]
     per_expert = ex[0]["ours_us"] / ex[0]["active_experts"]
     mx = [r for r in _rows("moe_experts_mxfp4_h200_v4.json") if r["experts"] == 112 and r["rows"] == R]
@@ -83,13 +87,14 @@ def project(R: int) -> dict:
                collective_us=coll)
     for name, layout, moe_collectives, ex_us in (("row_shard", "row_shard", 3, experts),
                                                  ("sharded", "sharded", 2, experts),
-                                                 ("sharded_mxfp4", "sharded", 2, per_expert_mxfp4 * slowest)):
+                                                 ("main", "kimi", 2, experts),
+                                                 ("main_mxfp4", "kimi", 2, per_expert_mxfp4 * slowest)):
         moe_layer = attn_res + moe[layout] + ex_us + (1 + moe_collectives) * coll
         token = 68 * (kda + moe_layer) + 24 * (mla + moe_layer) + kda + attn_res + dense_mlp + coll
         out[name] = dict(moe_nonexpert_us=moe[layout], experts_us=ex_us, collectives_us=(1 + moe_collectives) * coll,
                            kda_layer_us=kda + moe_layer, mla_layer_us=mla + moe_layer,
                            token_ms=token / 1e3, tokens_per_s=1e6 / token)
-    out["speedup"] = out["row_shard"]["token_ms"] / out["sharded"]["token_ms"]
+    out["speedup"] = out["row_shard"]["token_ms"] / out["main"]["token_ms"]
     return out
 
 
@@ -105,10 +110,10 @@ def plot(rows: list[dict], png: str) -> None:
              ("collectives", lambda r, v: v["collectives_us"]))
     fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 4))
     for ax, r in zip(axes, rows):
-        bottom = [0.0, 0.0]
+        bottom = [0.0, 0.0, 0.0]
         for name, get in parts:
-            vals = [get(r, r[layout]) for layout in ("row_shard", "sharded")]
-            ax.bar(["row shard", "sharded"], vals, bottom=bottom, label=name)
+            vals = [get(r, r[layout]) for layout in ("row_shard", "sharded", "main")]
+            ax.bar(["row shard", "sharded", "main"], vals, bottom=bottom, label=name)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set(title=f"{r['rows']} row{'s' if r['rows'] > 1 else ''}", ylabel="us per KDA MoE layer (projected)")
     axes[-1].legend(fontsize=8)
@@ -130,12 +135,12 @@ def main(argv=None) -> list[dict]:
         print(f"R={r['rows']:3d}: attention KDA {r['kda_attention_us']:.1f} / MLA {r['mla_attention_us']:.1f}, "
               f"AttnRes {r['attn_res_us']:.1f}, experts {r['experts_us']:.1f} ({r['slowest_rank_experts']:.1f} on "
               f"the slowest rank x {r['us_per_expert']:.1f}), collective {r['collective_us']:.1f} us")
-        for layout in ("row_shard", "sharded", "sharded_mxfp4"):
+        for layout in ("row_shard", "sharded", "main", "main_mxfp4"):
             v = r[layout]
             print(f"    {layout:13s}: experts {v['experts_us']:.1f}, MoE non-expert {v['moe_nonexpert_us']:.1f}, KDA layer {v['kda_layer_us']:.1f}, "
                   f"MLA layer {v['mla_layer_us']:.1f} us -> token {v['token_ms']:.2f} ms, "
                   f"{v['tokens_per_s']:.1f} tokens/s per user")
-        print(f"    sharded vs row shard: {r['speedup']:.2f}x")
+        print(f"    main vs row shard: {r['speedup']:.2f}x")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"benchmark": "project_token", "rows": rows}, fh, indent=1)
