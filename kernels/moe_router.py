@@ -8,9 +8,10 @@ Semantics (stock ``select_experts``): for fp32 logits [M, E] and a selection bia
 returns (weights [M, k] fp32, ids [M, k] int32). The bias only chooses; the weights are
 the unbiased scores.
 
-GPU / interpreter (Triton): one program per row holds the row's E scores in registers
-and takes the k largest by k arg-max passes (the lowest index among equal values), so
-the choice equals ``torch.topk``'s except for exact ties of fp32 biased scores. Stock's
+GPU / interpreter (Triton): one program per row holds the row's E biased scores in
+registers and takes the k largest by k max passes over packed (score, index) keys (the
+lowest index among equal values), so the choice equals ``torch.topk``'s except for exact
+ties of fp32 biased scores. Stock's
 graph runs this as 3-5 kernels (sigmoid + bias, aten top-k, gather and renormalisation);
 at decode they are a few microseconds each of launch and tail. E up to 4096.
 """
@@ -64,23 +65,32 @@ def _(logits, bias, top_k, renormalize, scale):
 if triton is not None:
 
     @triton.jit
+    def _sigmoid(x):
+        return 1.0 / (1.0 + tl.exp(-x))
+
+    @triton.jit
     def _select_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scale, K: tl.constexpr, BK: tl.constexpr,
                        BE: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+        """Each pass takes the max of one int64 key per expert: the biased score's bits in
+        signed order (high word) and BE - 1 - e (low word: the lowest index wins a tie),
+        one block reduction per chosen expert; the weights are gathered afterwards."""
         pdl_wait(PDL)
         row = tl.program_id(0)
         e = tl.arange(0, BE)
         ok = e < E
         logit = tl.load(logits_ptr + row * stride_l + e, mask=ok, other=0.0)
-        score = 1.0 / (1.0 + tl.exp(-logit))
-        chosen = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+        chosen = tl.where(ok, _sigmoid(logit) + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+        bits = chosen.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        key = (ordered << 32) | (BE - 1 - e).to(tl.int64)
         j = tl.arange(0, BK)
         ids = tl.zeros([BK], dtype=tl.int32)
-        weights = tl.zeros([BK], dtype=tl.float32)
         for i in tl.static_range(K):
-            best = tl.argmax(chosen, 0, tie_break_left=True)
-            weights = tl.where(j == i, tl.sum(tl.where(e == best, score, 0.0), 0), weights)
-            ids = tl.where(j == i, best, ids)
-            chosen = tl.where(e == best, float("-inf"), chosen)
+            best = tl.max(key, 0)
+            ids = tl.where(j == i, (BE - 1 - (best & 0xFFFFFFFF)).to(tl.int32), ids)
+            key = tl.where(key == best, -9223372036854775807 - 1, key)
+        weights = _sigmoid(tl.load(logits_ptr + row * stride_l + ids, mask=j < K, other=0.0))
+        weights = tl.where(j < K, weights, 0.0)
         if RENORM:
             weights = weights / tl.sum(weights, 0)
         tl.store(w_ptr + row * K + j, weights * scale, mask=j < K)

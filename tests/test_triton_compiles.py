@@ -108,3 +108,21 @@ def test_kda_kernel_compiles_for_sm90(nv):
     compiled = triton.compile(ASTSource(kda_decode._kda_decode_kernel, sig, constexprs=constexprs), target=SM90,
                               options={"num_warps": 4})
     assert ".target sm_90" in compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+def test_moe_out_and_select_experts_kernels_compile_for_sm90():
+    """With PDL (griddepcontrol) as they launch on the H200."""
+    from kimi_inductor.kernels import moe_projections, moe_router
+
+    ints = {k: "i32" for k in ("M", "N", "stride_h", "stride_y", "stride_wd", "stride_wu", "stride_out")}
+    sig = {"h_ptr": "*bf16", "y_ptr": "*bf16", "wd_ptr": "*bf16", "wu_ptr": "*bf16", "out_ptr": "*bf16", **ints,
+           **{k: "constexpr" for k in ("DS", "LS", "BM", "BN", "BK", "DOT_F32", "PDL")}}
+    src = ASTSource(moe_projections._moe_out_kernel, sig, constexprs={"DS": 768, "LS": 448, "BM": 16, "BN": 32,
+                                                                        "BK": 256, "DOT_F32": False, "PDL": True})
+    assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
+    sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32", "E": "i32",
+           "stride_l": "i32", "scale": "fp32", **{k: "constexpr" for k in ("K", "BK", "BE", "RENORM", "PDL")}}
+    src = ASTSource(moe_router._select_kernel, sig, constexprs={"K": 16, "BK": 16, "BE": 1024, "RENORM": True,
+                                                                "PDL": True})
+    assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
