@@ -180,8 +180,9 @@ def test_sharded_moe_decode_agrees_with_stock_for_16_steps(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_lower_kernels_runs_each_sharded_layer_in_two_projection_launches(fake_world, world):
     """After sharded_moe, lower_kernels puts the router, the latent down-projection and the
-    shared block's gate / up + SiTU into one ``moe_in`` and the shared down block + latent
-    RMSNorm + up block into one ``moe_out``, reading rank 0's blocks in place."""
+    shared block's gate / up + SiTU into one ``moe_in``, the shared down block + the latent
+    up block into one ``moe_out`` (rank 0's blocks read in place) and the routing into
+    one ``select_experts``."""
     snaps = {}
 
     def observe(stage, gm):
@@ -190,12 +191,13 @@ def test_lower_kernels_runs_each_sharded_layer_in_two_projection_launches(fake_w
 
     backend, _ = compile_tiny(group=fake_world(world), q=1, requests=2, padding=1, observer=observe)
     moe = [l for l in backend.report.layers if l.mlp == "moe"]
-    assert moe and all("mlp: router + latent down + shared gate/up SiTU (one GEMV) x1, shared down + latent "
-                       "RMSNorm + up (one GEMM) x1" in l.notes["kernels"] for l in moe)
+    assert moe and all("mlp: router + latent down + shared gate/up SiTU (one GEMV) x1, shared down + up (one GEMM) "
+                       "x1, router top-k (one launch) x1" in l.notes["kernels"] for l in moe)
     info = next(p for p in backend.report.passes if p.name == "lower_kernels")
     assert not [s for s in info.skipped if s.startswith("MoE projections")]
     text = snaps["moe"]
     assert text.count("kimi_kernels.moe_in(") == 1 and text.count("kimi_kernels.moe_out(") == 1
+    assert text.count("kimi_kernels.select_experts(") == 1 and "aten.topk" not in text
     assert "aten.mm" not in text and "aten.addmm" not in text and "aten.slice" not in text
     assert f", 0, {world}, 4, 25)" in text  # rank 0 of G, SiTU's betas
 
