@@ -63,9 +63,11 @@ def implementation_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, g
         return "reference", skinny_gemm.cute_available()
     if M > MAX_ROWS_IN:
         return "reference", f"{M} rows > {MAX_ROWS_IN}"
-    if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in (router_weight, latent_weight,
-                                                                            gate_up_weight)):
+    weights = (router_weight, latent_weight, gate_up_weight)
+    if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
         return "reference", "not bf16"
+    if not all(w.is_contiguous() for w in weights):
+        return "reference", "a weight is not contiguous (the GEMV streams whole rows)"
     from .skinny_gemm import cute_gemv
 
     D = gate_up_weight.shape[0] // 2
@@ -96,8 +98,8 @@ def moe_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weig
         return moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta)
     from .skinny_gemm import cute_gemv
 
-    return cute_gemv.run_moe_in(x.contiguous(), router_weight.contiguous(), latent_weight.contiguous(),
-                                gate_up_weight, shard, shards, (beta, linear_beta))
+    return cute_gemv.run_moe_in(x.contiguous(), router_weight, latent_weight, gate_up_weight, shard, shards,
+                                (beta, linear_beta))
 
 
 @moe_in.register_fake
