@@ -68,14 +68,20 @@ def implementation_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, g
         return "reference", "not bf16"
     if not all(w.is_contiguous() for w in weights):
         return "reference", "a weight is not contiguous (the GEMV streams whole rows)"
+    return _cute_shapes(M, K, router_weight.shape[0], latent_weight.shape[0], gate_up_weight.shape[0] // 2, shards)
+
+
+@functools.lru_cache(maxsize=None)
+def _cute_shapes(M: int, K: int, E: int, L: int, D: int, shards: int) -> tuple[str, str]:
+    """Whether the grouped CuTe GEMV covers these shapes (asked once per shape: the op
+    calls ``implementation_in`` on every step)."""
     from .skinny_gemm import cute_gemv
 
-    D = gate_up_weight.shape[0] // 2
     if D % shards:
         return "reference", f"shared width {D} does not split over {shards} ranks"
     cfg = cute_gemv.moe_in_config(M)
-    for rows, fusion in ((router_weight.shape[0], cute_gemv.PLAIN), (latent_weight.shape[0], cute_gemv.PLAIN),
-                         (2 * (D // shards), cute_gemv.Fusion(situ=(1.0, 1.0)))):
+    situ = cute_gemv.Fusion(situ=(1.0, 1.0))
+    for rows, fusion in ((E, cute_gemv.PLAIN), (L, cute_gemv.PLAIN), (2 * (D // shards), situ)):
         why = cute_gemv.supported(M, rows, K, cfg, fusion)
         if why:
             return "reference", why
