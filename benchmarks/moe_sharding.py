@@ -19,11 +19,11 @@ two all-reduces; ``kernels_and_limits.md`` 1.3 has their measured 2 x H200 laten
 Each layout is one function compiled by Inductor (``torch.compile``, same settings for
 both) and timed in a CUDA graph (``common.graph_time_us``); the floor is its weight
 bytes at 4.28 TB/s. A third column, ``kimi``: the sharded layer as ``lower_kernels``
-emits it (``kimi_kernels.moe_in`` / ``moe_out`` within their row limits, else the GEMMs as
-the pass leaves them; ``kimi_kernels.select_experts``; the latent RMSNorm compiled by
-Inductor), its output
-checked against the sharded form's. ``--sweep`` also times the two ops' configurations
-alone and the ops each replaces; ``--profile`` lists the kimi layer's kernels.
+emits it (``kimi_kernels.moe_in`` with the expert choice / ``moe_out`` within their row
+limits, else the GEMMs as the pass leaves them and ``kimi_kernels.select_experts``; the
+latent RMSNorm compiled by Inductor), its output checked against the sharded form's.
+``--sweep`` also times the ops' configurations alone (moe_in with and without the
+choice) and the ops each replaces; ``--profile`` lists the kimi layer's kernels.
 
     python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --sweep --profile --json X
 """
@@ -78,15 +78,18 @@ def _gemm(x, weight, out_dtype):
 
 
 def projections_in(x, w, cfg, shard, shards, fused):
-    """(logits, z, h): ``moe_in``, or the ops lower_kernels emits without it."""
+    """(logits, z, h, weights, ids): ``moe_in`` with the routing, or the ops lower_kernels
+    emits without it (``select_experts`` on the GEMM's logits)."""
     situ = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    route = (w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
     if fused:
-        return torch.ops.kimi_kernels.moe_in(x, w["gate"], w["down"], w["gate_up"], shard, shards, *situ)
+        return torch.ops.kimi_kernels.moe_in(x, w["gate"], w["down"], w["gate_up"], shard, shards, *situ, *route)
     D = w["gate_up"].shape[0] // 2
     a, width = moe_projections.blocks(D, shard, shards)
     h = situ_and_mul(torch.cat([x @ w["gate_up"][a:a + width].t(), x @ w["gate_up"][D + a:D + a + width].t()], 1),
                      *situ)
-    return _gemm(x, w["gate"], torch.float32), _gemm(x, w["down"], x.dtype), h
+    logits = _gemm(x, w["gate"], torch.float32)
+    return logits, _gemm(x, w["down"], x.dtype), h, *torch.ops.kimi_kernels.select_experts(logits, *route)
 
 
 def projections_out(h, normed, w, shard, shards, fused):
@@ -97,9 +100,7 @@ def projections_out(h, normed, w, shard, shards, fused):
 def kimi_layer(x, y, w, cfg, shard, shards):
     """The sharded layer as lower_kernels emits it (rank ``shard`` of ``shards``)."""
     M = x.shape[0]
-    logits, z, h = projections_in(x, w, cfg, shard, shards, M <= moe_projections.MAX_ROWS_IN)
-    weights, ids = torch.ops.kimi_kernels.select_experts(logits, w["bias"], cfg.num_experts_per_token,
-                                                         cfg.moe_renormalize, cfg.routed_scaling_factor)
+    logits, z, h, weights, ids = projections_in(x, w, cfg, shard, shards, M <= moe_projections.MAX_ROWS_IN)
     normed = rms_norm(y, w["norm"], cfg.rms_norm_eps)
     out = projections_out(h, normed, w, shard, shards, M <= moe_projections.MAX_ROWS_OUT)
     return out, z, weights, ids
@@ -133,14 +134,22 @@ def sweep(res, x, y, w, cfg, G):
     chosen_warps = moe_router.WARPS
     h = x[:, :w["shared_down"].shape[1] // G].contiguous()
     rows = []
+    route = (w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+    routing = cute_gemv.Routing(w["gate"].shape[0], *route[1:])
+    pdl = bool(moe_router.pdl(x.device)["PDL"])
     if M <= moe_projections.MAX_ROWS_IN and not skinny_gemm.cute_available():
-        for r in (1, 2):
+        for r in (1, 2, 4):
             for warps in (4, 8):
                 for unroll in (2, 4):
                     c = cute_gemv.Config(r, warps, 1, unroll)
-                    t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G,
-                                                                     situ, c), calls=10, replays=5)
-                    rows.append(dict(op="moe_in", config=list(c), us=t))
+                    if cute_gemv.moe_in_supported(M, x.shape[1], routing.experts, w["down"].shape[0],
+                                                  w["gate_up"].shape[0] // 2 // G, c):
+                        continue
+                    for routed in (routing, None):
+                        t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G,
+                                                                         situ, w["bias"], routed, pdl, c),
+                                          calls=10, replays=5)
+                        rows.append(dict(op="moe_in" + (" routed" if routed else ""), config=list(c), us=t))
         unfused = torch.compile(lambda x: projections_in(x, w, cfg, 0, G, False), dynamic=False)
         rows.append(dict(op="moe_in replaced ops", us=graph_time_us(lambda i: unfused(x), calls=10, replays=5)))
     for bn in (32, 64):
@@ -153,7 +162,6 @@ def sweep(res, x, y, w, cfg, G):
     unfused = torch.compile(lambda h, y: projections_out(h, y, w, 0, G, False), dynamic=False)
     rows.append(dict(op="moe_out replaced ops", us=graph_time_us(lambda i: unfused(h, y), calls=10, replays=5)))
     logits = torch.randn(M, w["gate"].shape[0], device=x.device)
-    route = (w["bias"], cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
     for warps in (1, 2, 4):
         moe_router.WARPS = warps
         rows.append(dict(op="select_experts", config=dict(num_warps=warps), us=graph_time_us(

@@ -3,12 +3,15 @@ layout (all T rows on every rank, the shared experts and the latent up-projectio
 TP-sharded: rank r of G owns column block r of the shared width D and of the latent L),
 each one launch instead of four or five:
 
-``kimi_kernels::moe_in(x, W_router, W_latent, W_gate_up, shard, shards, beta, lb)``
-    -> (logits, z, h): for x [M, H] bf16,
+``kimi_kernels::moe_in(x, W_router, W_latent, W_gate_up, shard, shards, beta, lb,
+                       bias=None, top_k=0, renormalize=False, scale=1.0)``
+    -> (logits, z, h, weights, ids): for x [M, H] bf16,
     logits = x W_router^T   [M, E] fp32 (bf16 products, fp32 sums: stock's router)
     z      = x W_latent^T   [M, L] bf16 (the latent down-projection, replicated)
     h      = situ_and_mul([x W_gate_up[s]^T | x W_gate_up[D + s]^T], beta, lb)   [M, D/G]
-             with W_gate_up = [gate; up] [2 D, H] and s = rows [r D/G, (r + 1) D/G).
+             with W_gate_up = [gate; up] [2 D, H] and s = rows [r D/G, (r + 1) D/G);
+    weights, ids = select_experts(logits, bias, top_k, renormalize, scale)
+             [M, top_k] fp32 / int32 (``moe_router``'s op), [M, 0] when top_k = 0.
 ``kimi_kernels::moe_out(h, normed, W_down, W_up, shard, shards)``
     -> h W_down[:, s]^T + normed[:, l] W_up[:, l]^T   [M, H] bf16, this rank's partial
     sum (the all-reduce completes it) for h [M, D/G], normed [M, L] (the routed output's
@@ -22,7 +25,9 @@ weights: no per-rank copies).
 
 GPU implementations (decode: the weights are the bytes):
   * ``moe_in``: the CuTe DSL GEMV's grouped form (``skinny_gemm.cute_gemv.MoEInGemv``):
-    router, latent and the shared gate / up block share x and one launch, M <= 4;
+    router, latent and the shared gate / up block share x and one launch, M <= 4; the
+    last router CTA also chooses the experts (top_k <= 32) while the rest still stream,
+    else ``select_experts`` runs after it;
   * ``moe_out``: Triton, one program per BN output columns: h and the normalised latent's
     block against the two weights' column blocks, one K loop each (tensor-core ``tl.dot``,
     rows padded to 16), M <= 64.
@@ -79,13 +84,8 @@ def _cute_shapes(M: int, K: int, E: int, L: int, D: int, shards: int) -> tuple[s
 
     if D % shards:
         return "reference", f"shared width {D} does not split over {shards} ranks"
-    cfg = cute_gemv.moe_in_config(M)
-    situ = cute_gemv.Fusion(situ=(1.0, 1.0))
-    for rows, fusion in ((E, cute_gemv.PLAIN), (L, cute_gemv.PLAIN), (2 * (D // shards), situ)):
-        why = cute_gemv.supported(M, rows, K, cfg, fusion)
-        if why:
-            return "reference", why
-    return "cute", ""
+    why = cute_gemv.moe_in_supported(M, K, E, L, D // shards, cute_gemv.moe_in_config(M))
+    return ("reference", why) if why else ("cute", "")
 
 
 def moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta):
@@ -97,22 +97,45 @@ def moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, sha
             situ_and_mul(torch.cat([gate, up], 1), beta, linear_beta))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::moe_in", mutates_args=())
-def moe_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor, shard: int,
-           shards: int, beta: float, linear_beta: float) -> tuple[Tensor, Tensor, Tensor]:
-    if implementation_in(x, router_weight, latent_weight, gate_up_weight, shards)[0] == "reference":
-        return moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta)
+def fused_routing(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool, scale: float):
+    """The ``Routing`` that the CuTe kernel fuses for these operands, or None (then
+    ``select_experts`` runs after it)."""
     from .skinny_gemm import cute_gemv
 
-    return cute_gemv.run_moe_in(x.contiguous(), router_weight, latent_weight, gate_up_weight, shard, shards,
-                                (beta, linear_beta))
+    routing = cute_gemv.Routing(router_weight.shape[0], top_k, renormalize, scale)
+    M = x.shape[0]
+    return None if cute_gemv.routing_supported(M, cute_gemv.moe_in_config(M), routing) else routing
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_in", mutates_args=())
+def moe_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor, shard: int,
+           shards: int, beta: float, linear_beta: float, bias: Tensor | None = None, top_k: int = 0,
+           renormalize: bool = False, scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    M = x.shape[0]
+    if implementation_in(x, router_weight, latent_weight, gate_up_weight, shards)[0] == "reference":
+        logits, z, h = moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta,
+                                        linear_beta)
+        routing = None
+    else:
+        from .skinny_gemm import cute_gemv
+
+        routing = fused_routing(x, router_weight, top_k, renormalize, scale) if top_k else None
+        logits, z, h, weights, ids = cute_gemv.run_moe_in(
+            x.contiguous(), router_weight, latent_weight, gate_up_weight, shard, shards, (beta, linear_beta),
+            None if routing is None else bias.float().contiguous(), routing, bool(pdl(x.device)["PDL"]))
+    if routing is None:
+        weights, ids = (torch.ops.kimi_kernels.select_experts(logits, bias, top_k, renormalize, scale) if top_k
+                        else (logits.new_empty(M, 0), logits.new_empty(M, 0, dtype=torch.int32)))
+    return logits, z, h, weights, ids
 
 
 @moe_in.register_fake
-def _(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta):
+def _(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta, bias=None, top_k=0,
+      renormalize=False, scale=1.0):
     M = x.shape[0]
     return (x.new_empty(M, router_weight.shape[0], dtype=torch.float32), x.new_empty(M, latent_weight.shape[0]),
-            x.new_empty(M, gate_up_weight.shape[0] // 2 // shards))
+            x.new_empty(M, gate_up_weight.shape[0] // 2 // shards), x.new_empty(M, top_k, dtype=torch.float32),
+            x.new_empty(M, top_k, dtype=torch.int32))
 
 
 def implementation_out(h: Tensor, normed: Tensor) -> tuple[str, str]:

@@ -20,11 +20,11 @@ Matches and produces (M = rows, at most 64):
                                                       none on H200, so vLLM's stays)
     <GEMM>(rms_norm(x, w_n, eps), W, acc)           kimi_kernels.rms_norm_mm(x, w_n, eps, W, acc, dt)
     situ_and_mul(<GEMM>(x, W), b, lb)               kimi_kernels.mm_situ(x, W, b, lb)
-    a sharded_moe layer's router, latent down,      kimi_kernels.moe_in(...) and moe_out(...)
-      shared block with SiTU / its down and up        (passes/moe_projections.py)
-      blocks
     stock's select_experts (sigmoid, biased top-k,  kimi_kernels.select_experts(...)
       gather, renormalise, scale)                     (passes/moe_router.py)
+    a sharded_moe layer's router (and its           kimi_kernels.moe_in(...) and moe_out(...)
+      select_experts), latent down, shared block      (passes/moe_projections.py)
+      with SiTU / its down and up blocks
 
 The two fusions (patterns in ``gemm_neighbours``) happen only where the CuTe GEMV runs
 the GEMM (``skinny_gemm.choose_fused``); elsewhere the GEMM is lowered alone.
@@ -166,21 +166,24 @@ class LowerKernels:
                 core.kind if core is not None else "attn_res"
             info.rewritten += 1
         _dead_code_out(g, dropped)  # dead casts would count as readers of a norm or a GEMM
-        for layer in [l for l in dg.layers if l.moe is not None]:  # sharded_moe's layers: two launches
-            bound = moe_projections.bind(layer)
-            if bound is None:
-                continue
-            info.matched += 1
-            kept.update(f"MoE projections: {why}" for why in (bound.into, bound.out) if isinstance(why, str))
-            lowered_here = moe_projections.lower(g, bound)
-            per_node.update(lowered_here)
-            info.rewritten += bool(lowered_here)
         for topk in [n for n in g.nodes if n.target is aten.topk.default]:  # the MoE router's choice
             bound = moe_router.bind(topk)
             if bound is not None:
                 info.matched += 1
                 per_node[moe_router.lower(g, bound)] = "route"
                 info.rewritten += 1
+        _dead_code_out(g)  # the router's replaced ops: the logits' one reader is its op
+        for layer in [l for l in dg.layers if l.moe is not None]:  # sharded_moe's layers: two launches
+            bound = moe_projections.bind(layer)
+            if bound is None:
+                continue
+            info.matched += 1
+            kept.update(f"MoE projections: {why}" for why in (bound.into, bound.out) if isinstance(why, str))
+            if not isinstance(bound.into, str) and bound.into.route is not None:
+                per_node.pop(bound.into.route)  # moe_in takes the router's choice in
+            lowered_here = moe_projections.lower(g, bound)
+            per_node.update(lowered_here)
+            info.rewritten += bool(lowered_here)
         _dead_code_out(g)
         situ_after = {m[0]: (n, *m[1:]) for n in g.nodes if (m := situ_of(n)) is not None}  # GEMM -> its SiTU
         for node in list(g.nodes):
@@ -307,6 +310,7 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM",
           "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
           "moe_in": "router + latent down + shared gate/up SiTU (one GEMV)",
+          "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one GEMV)",
           "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}
 
 

@@ -10,6 +10,8 @@ rows; block r of G: rows or columns [r n / G, (r + 1) n / G) of a dimension of n
     up     = mm(x, permute(W_gu[D + the same block]))        weight [2 D, H]
     h      = situ_and_mul(gate, up)                          (stock's SiTU: gemm_neighbours)
         -> logits, z, h = moe_in(x, W_router, W_latent, W_gu, r, G, beta, linear_beta)
+    weights, ids = select_experts(logits, bias, k, renorm, scale)   (moe_router's op, if it
+        -> moe_in(..., bias, k, renorm, scale)[3:]                   alone reads the logits)
     o = addmm(mm(h, permute(W_down[:, block r])), normed[:, block r], permute(W_up[:, block r]))
         -> o = moe_out(h, normed, W_down, W_up, r, G)     (normed: the routed output's RMSNorm)
 
@@ -89,7 +91,18 @@ def _bind_in(x: fx.Node, region: set[fx.Node], gemms: dict, gate_up: list[fx.Nod
     if any(len(n.users) != 1 for n in (gate, up)):
         return "moe_in: the gate or up block has readers besides its SiTU"
     return SimpleNamespace(router=router[0], latent=latent[0], gate=gate, up=up, h=situ[0], w_gu=base,
-                           shard=shard, beta=beta, linear_beta=linear_beta)
+                           shard=shard, beta=beta, linear_beta=linear_beta, route=_route_of(router[0]))
+
+
+def _route_of(router: fx.Node) -> fx.Node | None:
+    """The ``select_experts`` call (``moe_router``) that alone reads the router's logits,
+    with its bias defined before the router: moe_in takes it in."""
+    route = next(iter(router.users)) if len(router.users) == 1 else None
+    if route is None or route.target is not kk.select_experts.default or route.args[0] is not router:
+        return None
+    bias = route.args[1]
+    order = {n: i for i, n in enumerate(router.graph.nodes)}
+    return route if not isinstance(bias, fx.Node) or order[bias] < order[router] else None
 
 
 def _bind_out(gemms: dict, tails: list[fx.Node]) -> SimpleNamespace | str:
@@ -122,17 +135,22 @@ def lower(g: fx.Graph, b: SimpleNamespace) -> list[tuple[fx.Node, str]]:
         order = {n: i for i, n in enumerate(g.nodes)}
         first = min((p.router, p.latent, p.gate, p.up), key=order.__getitem__)
         w_router, w_latent = (match_gemm(n)[1] for n in (p.router, p.latent))
-        olds = (p.router, p.latent, p.h)
+        olds = {0: p.router, 1: p.latent, 2: p.h}
+        routing = ()
+        if p.route is not None:  # its (weights, ids) getitems become moe_in's 3 and 4
+            routing = p.route.args[1:]
+            olds.update({3 + u.args[1]: u for u in p.route.users})
         with g.inserting_before(first):
             call = g.call_function(kk.moe_in.default, (b.x, w_router, w_latent, p.w_gu, *p.shard, p.beta,
-                                                       p.linear_beta))
-            outs = [g.call_function(operator.getitem, (call, i)) for i in range(3)]
-        call.meta["val"] = tuple(o.meta["val"] for o in olds)
-        for old, out in zip(olds, outs):
-            out.meta["val"] = old.meta["val"]
-            old.replace_all_uses_with(out)
-            renamed[old] = out
-        new.append((call, "moe_in"))
+                                                       p.linear_beta, *routing))
+            outs = {i: g.call_function(operator.getitem, (call, i)) for i in olds}
+        vals = [p.router, p.latent, p.h] + ([] if p.route is None else list(p.route.meta["val"]))
+        call.meta["val"] = tuple(v.meta["val"] if isinstance(v, fx.Node) else v for v in vals)
+        for i, old in olds.items():
+            outs[i].meta["val"] = old.meta["val"]
+            old.replace_all_uses_with(outs[i])
+            renamed[old] = outs[i]
+        new.append((call, "moe_in_routed" if routing else "moe_in"))
     if not isinstance(b.out, str):
         p = b.out
         with g.inserting_before(p.tail):

@@ -179,9 +179,9 @@ def test_sharded_moe_decode_agrees_with_stock_for_16_steps(world):
 
 def test_lower_kernels_runs_each_sharded_layer_in_two_projection_launches(fake_world, world=2):
     """After sharded_moe, lower_kernels puts the router, the latent down-projection and the
-    shared block's gate / up + SiTU into one ``moe_in``, the shared down block + the latent
-    up block into one ``moe_out`` (rank 0's blocks read in place) and the routing into
-    one ``select_experts``."""
+    shared block's gate / up + SiTU into one ``moe_in`` that also takes the routing
+    (``select_experts``), the shared down block + the latent up block into one
+    ``moe_out`` (rank 0's blocks read in place)."""
     snaps = {}
 
     def observe(stage, gm):
@@ -190,15 +190,15 @@ def test_lower_kernels_runs_each_sharded_layer_in_two_projection_launches(fake_w
 
     backend, _ = compile_tiny(group=fake_world(world), q=1, requests=2, padding=1, observer=observe)
     moe = [l for l in backend.report.layers if l.mlp == "moe"]
-    assert moe and all("mlp: router + latent down + shared gate/up SiTU (one GEMV) x1, shared down + up (one GEMM) "
-                       "x1, router top-k (one launch) x1" in l.notes["kernels"] for l in moe)
+    assert moe and all("mlp: router + top-k + latent down + shared gate/up SiTU (one GEMV) x1, shared down + up "
+                       "(one GEMM) x1" in l.notes["kernels"] for l in moe)
     info = next(p for p in backend.report.passes if p.name == "lower_kernels")
     assert not [s for s in info.skipped if s.startswith("MoE projections")]
     text = snaps["moe"]
     assert text.count("kimi_kernels.moe_in(") == 1 and text.count("kimi_kernels.moe_out(") == 1
-    assert text.count("kimi_kernels.select_experts(") == 1 and "aten.topk" not in text
+    assert "kimi_kernels.select_experts(" not in text and "aten.topk" not in text
     assert "aten.mm" not in text and "aten.addmm" not in text and "aten.slice" not in text
-    assert f", 0, {world}, 4, 25)" in text  # rank 0 of G, SiTU's betas
+    assert f", 0, {world}, 4, 25, " in text and ", 2, True, " in text  # rank 0 of G, SiTU's betas, top 2
 
 
 def test_moe_projections_keep_the_ops_with_the_reason(fake_world):
@@ -210,4 +210,5 @@ def test_moe_projections_keep_the_ops_with_the_reason(fake_world):
                for s in info.skipped), info.skipped
     moe = [l for l in backend.report.layers if l.mlp == "moe"]
     assert all("shared down + up (one GEMM) x1" in l.notes["kernels"] for l in moe)
-    assert not any("router + latent down" in l.notes["kernels"] for l in moe)
+    assert all("router top-k (one launch) x1" in l.notes["kernels"] for l in moe)
+    assert not any("latent down" in l.notes["kernels"] for l in moe)

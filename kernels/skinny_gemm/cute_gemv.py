@@ -39,6 +39,7 @@ rows.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import cutlass
@@ -340,47 +341,157 @@ class SplitKGemv:
         return total.to(self.out_dtype)
 
 
+class Routing(NamedTuple):
+    """The router's expert choice fused into ``MoEInGemv`` (``select_experts``'s semantics:
+    top ``k`` of sigmoid(logits) + bias, weights the unbiased scores [renormalised] x
+    ``scale``); constants of the compiled kernel."""
+
+    experts: int
+    k: int
+    renormalize: bool
+    scale: float
+
+
+MAX_ROUTED_K = WARP  # one lane per chosen expert
+
+
 class MoEInGemv:
     """The MoE layer's three GEMVs over one x [M, K] in one launch (``kimi_kernels::moe_in``):
     router logits (fp32 out), latent down-projection, and a block of the shared experts'
     gate / up rows with the SiTU-GLU epilogue. CTAs [0, B_router) take the router's
     outputs, the next B_latent the latent's, the rest the shared block's, each the plain
-    GEMV's whole-K tile (no split: the three together are thousands of tiles). The shared
-    block's weight is the row range [a, D + a + width) of [gate; up] (D = its gate rows),
-    read in place: gate row a + j, up row D + a + j."""
+    GEMV's whole-K tile (no split: the three together are hundreds of tiles). Router and
+    shared CTAs take half the latent's outputs per warp where it has two or more (a
+    shared output is two weight rows: so every CTA but the router's streams the same
+    bytes, and the router's finish first). The shared block's weight is the row range
+    [a, D + a + width) of [gate; up] (D = its gate rows), read in place: gate row a + j,
+    up row D + a + j.
+
+    With ``routing``: the router CTA that finishes last (an arrival counter, as the split-K
+    GEMV's) also chooses each row's experts while the other CTAs still stream: warp m
+    takes row m's E logits, E / 32 per lane, and takes the k largest biased scores by k
+    warp arg-max reductions (ties: the lowest index, as ``select_experts``), then lane j
+    writes expert j and its weight. Launched with programmatic dependent launch when
+    ``pdl``: the weights' first loads wait for the previous kernel only through x."""
 
     def __init__(self, rows: int, cfg: Config, n_router: int, n_latent: int, n_shared: int, half: int,
-                 situ: tuple[float, float]):
-        def segment(out_dtype, fusion=PLAIN, half=0):
-            return SplitKGemv(rows, cfg.r, cfg.warps, 1, cfg.unroll, False, cutlass.BFloat16, out_dtype, fusion,
+                 situ: tuple[float, float], routing: Routing | None = None, pdl: bool = False):
+        def segment(r, out_dtype, fusion=PLAIN, half=0):
+            return SplitKGemv(rows, r, cfg.warps, 1, cfg.unroll, False, cutlass.BFloat16, out_dtype, fusion,
                               half=half)
 
-        self.segments = (segment(Float32), segment(cutlass.BFloat16), segment(cutlass.BFloat16, Fusion(situ=situ),
-                                                                             half))
-        self.blocks = tuple(-(-n // (cfg.warps * cfg.r)) for n in (n_router, n_latent, n_shared))
+        small = max(1, cfg.r // 2)
+        self.segments = (segment(small, Float32), segment(cfg.r, cutlass.BFloat16),
+                         segment(small, cutlass.BFloat16, Fusion(situ=situ), half))
+        self.blocks = tuple(-(-n // s.tile) for n, s in zip((n_router, n_latent, n_shared), self.segments))
         self.threads = cfg.warps * WARP
+        self.rows, self.routing, self.pdl = rows, routing, pdl
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w_router: cute.Tensor, w_latent: cute.Tensor, w_shared: cute.Tensor,
-                 logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, stream: CUstream):
+                 logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, bias: cute.Tensor,
+                 weights: cute.Tensor, ids: cute.Tensor, counter: cute.Tensor, stream: CUstream):
         load_w, load_x = _loads(cutlass.BFloat16)
-        self.kernel(x, w_router, w_latent, w_shared, logits, latent, shared, load_w, load_x).launch(
-            grid=[sum(self.blocks), 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(x, w_router, w_latent, w_shared, logits, latent, shared, bias, weights, ids, counter, load_w,
+                    load_x).launch(grid=[sum(self.blocks), 1, 1], block=[self.threads, 1, 1], stream=stream,
+                                   use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w_router: cute.Tensor, w_latent: cute.Tensor, w_shared: cute.Tensor,
-               logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, load_w: cute.CopyAtom,
+               logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, bias: cute.Tensor,
+               weights: cute.Tensor, ids: cute.Tensor, counter: cute.Tensor, load_w: cute.CopyAtom,
                load_x: cute.CopyAtom):
         b0: cutlass.Constexpr = self.blocks[0]
         b1: cutlass.Constexpr = self.blocks[0] + self.blocks[1]
         bx, _, _ = cute.arch.block_idx()
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         if bx < b0:  # x stands in for the unused norm weight and accumulator
             self.segments[0].tile_of(x, w_router, x, x, logits, bx, load_w, load_x)
+            if const_expr(self.routing is not None):
+                if self.last_of(counter, b0):
+                    self.route(logits, bias, weights, ids)
         else:
             if bx < b1:
                 self.segments[1].tile_of(x, w_latent, x, x, latent, bx - b0, load_w, load_x)
             else:
                 self.segments[2].tile_of(x, w_shared, x, x, shared, bx - b1, load_w, load_x)
+
+    @cute.jit
+    def last_of(self, counter: cute.Tensor, ctas: Int32):
+        """Whether this CTA is the last of ``ctas`` to get here (the others' writes then
+        visible to it); the last resets the counter for the next call."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        smem = cutlass.memory.SmemAllocator()
+        flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        if tidx == 0:
+            arrived = cute.arch.atomic_add(counter.iterator.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = Int32(arrived == ctas - 1)
+            if arrived == ctas - 1:
+                counter[0] = Int32(0)
+        cute.arch.sync_threads()
+        last = flag[0] != 0
+        if last:
+            cute.arch.fence_acq_rel_gpu()
+        return last
+
+    @cute.jit
+    def route(self, logits: cute.Tensor, bias: cute.Tensor, weights: cute.Tensor, ids: cute.Tensor):
+        """Warp m < M: row m's top k (see the class)."""
+        E: cutlass.Constexpr = self.routing.experts
+        k: cutlass.Constexpr = self.routing.k
+        per: cutlass.Constexpr = -(-self.routing.experts // WARP)
+        lane = cute.arch.lane_idx()
+        m = cute.arch.warp_idx()
+        if m < self.rows:
+            score = cute.make_rmem_tensor(cute.make_layout(per), Float32)  # biased; -inf: padding or taken
+            for i in cutlass.range_constexpr(per):
+                score[i] = Float32(-math.inf)
+                if lane + i * WARP < E:
+                    score[i] = _sigmoid(logits[m, lane + i * WARP]) + bias[lane + i * WARP].to(Float32)
+            mine = Int32(0)
+            best, at = _lane_best(score, lane, E, per)
+            for j in cutlass.range_constexpr(k):
+                top, top_at = best, at
+                for d in cutlass.range_constexpr(5):  # butterfly arg-max: every lane gets the winner
+                    other = cute.arch.shuffle_sync_bfly(top, offset=1 << d)
+                    other_at = cute.arch.shuffle_sync_bfly(top_at, offset=1 << d)
+                    if other > top or (other == top and other_at < top_at):
+                        top, top_at = other, other_at
+                if lane == j:
+                    mine = top_at
+                if lane == top_at % WARP:
+                    for i in cutlass.range_constexpr(per):
+                        if lane + i * WARP == top_at:
+                            score[i] = Float32(-math.inf)
+                    best, at = _lane_best(score, lane, E, per)
+            w = Float32(0.0)
+            if lane < k:
+                w = _sigmoid(logits[m, mine])
+            if const_expr(self.routing.renormalize):
+                w = w / cute.arch.warp_reduction_sum(w)
+            if lane < k:
+                weights[m, lane] = w * self.routing.scale
+                ids[m, lane] = mine
+
+
+@cute.jit
+def _sigmoid(v: Float32) -> Float32:
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-v))
+
+
+@cute.jit
+def _lane_best(score: cute.Tensor, lane: Int32, E: cutlass.Constexpr, per: cutlass.Constexpr):
+    """(the largest of a lane's ``per`` scores, its expert): the first in expert order on
+    ties; (-inf, E) when all are taken."""
+    best, at = Float32(-math.inf), Int32(E)
+    for i in cutlass.range_constexpr(per):
+        if score[i] > best:
+            best, at = score[i], lane + i * WARP
+    return best, at
 
 
 # rows -> the best ``MoEInGemv`` configuration of the H200 sweep at K3 shapes, G = 8
@@ -393,16 +504,38 @@ def moe_in_config(M: int) -> Config:
     return TUNED_MOE_IN.get(M, Config(1, 4, 1, 4))
 
 
+def moe_in_supported(M: int, K: int, n_router: int, n_latent: int, width: int, cfg: Config) -> str:
+    """Why ``MoEInGemv`` cannot take these shapes ('' when it can); ``width``: the shared
+    block's outputs."""
+    small = max(1, cfg.r // 2)
+    situ = Fusion(situ=(1.0, 1.0))
+    for r, n, fusion in ((small, n_router, PLAIN), (cfg.r, n_latent, PLAIN), (small, 2 * width, situ)):
+        why = supported(M, n, K, Config(r, cfg.warps, 1, cfg.unroll), fusion)
+        if why:
+            return why
+    return ""
+
+
+def routing_supported(M: int, cfg: Config, routing: Routing) -> str:
+    """Why ``MoEInGemv`` cannot fuse this choice of experts ('' when it can)."""
+    if routing.k > MAX_ROUTED_K or routing.k > routing.experts or M > cfg.warps:
+        return (f"top {routing.k} of {routing.experts} for {M} rows (the fused choice takes k <= {MAX_ROUTED_K}, "
+                f"one warp per row: {cfg.warps})")
+    return ""
+
+
 def compile_moe_in(M: int, K: int, n_router: int, n_latent: int, gate_up_rows: int, width: int,
-                   situ: tuple[float, float], cfg: Config, arch: str = ""):
+                   situ: tuple[float, float], cfg: Config, routing: Routing | None = None, pdl: bool = False,
+                   arch: str = ""):
     """The ``MoEInGemv`` executor for one shape (as ``compile_gemv``); ``gate_up_rows``:
     the full [gate; up] weight's rows (2 D), ``width``: the block's outputs."""
     half = gate_up_rows // 2
-    kernel = MoEInGemv(M, cfg, n_router, n_latent, width, half, situ)
-    bf16 = torch.bfloat16
+    kernel = MoEInGemv(M, cfg, n_router, n_latent, width, half, situ, routing, pdl)
+    bf16, k = torch.bfloat16, routing.k if routing else 1
     args = (_fake(bf16, (M, K)), _fake(bf16, (n_router, K)), _fake(bf16, (n_latent, K)),
             _fake(bf16, (half + width, K)), _fake(torch.float32, (M, n_router)), _fake(bf16, (M, n_latent)),
-            _fake(bf16, (M, width)), make_fake_stream(use_tvm_ffi_env_stream=True))
+            _fake(bf16, (M, width)), _fake(torch.float32, (n_router,)), _fake(torch.float32, (M, k)),
+            _fake(torch.int32, (M, k)), _fake(torch.int32, (1,)), make_fake_stream(use_tvm_ffi_env_stream=True))
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *args, options=options)
 
@@ -470,23 +603,29 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
 
 def run_moe_in(x: torch.Tensor, router_weight: torch.Tensor, latent_weight: torch.Tensor,
                gate_up_weight: torch.Tensor, shard: int, shards: int, situ: tuple[float, float],
-               cfg: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``kimi_kernels::moe_in`` on the GPU: (logits fp32, latent, h) from one launch."""
+               bias: torch.Tensor | None = None, routing: Routing | None = None, pdl: bool = False,
+               cfg: Config | None = None) -> tuple[torch.Tensor, ...]:
+    """``kimi_kernels::moe_in`` on the GPU: (logits fp32, latent, h, weights fp32, ids int32)
+    from one launch; weights / ids [M, k] with ``routing`` (bias: [E] fp32), else [M, 0]."""
     M, K = x.shape
     D = gate_up_weight.shape[0] // 2
     width = D // shards
     cfg = cfg or moe_in_config(M)
     E, L = router_weight.shape[0], latent_weight.shape[0]
-    key = ("moe_in", M, K, E, L, 2 * D, width, situ, cfg, x.device.index)
+    key = ("moe_in", M, K, E, L, 2 * D, width, situ, cfg, routing, pdl, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.moe_in: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
-        _executors[key] = compile_moe_in(M, K, E, L, 2 * D, width, situ, cfg), None
-    exe = _executors[key][0]
+        counter = torch.zeros(1, dtype=torch.int32, device=x.device)  # reset by the last router CTA
+        _executors[key] = compile_moe_in(M, K, E, L, 2 * D, width, situ, cfg, routing, pdl), counter
+    exe, counter = _executors[key]
+    k = routing.k if routing else 0
     logits = torch.empty(M, E, dtype=torch.float32, device=x.device)
     latent = torch.empty(M, L, dtype=x.dtype, device=x.device)
     h = torch.empty(M, width, dtype=x.dtype, device=x.device)
-    exe(x, router_weight, latent_weight, gate_up_weight[shard * width:D + (shard + 1) * width], logits, latent, h)
-    return logits, latent, h
-
+    weights = torch.empty(M, max(k, 1), dtype=torch.float32, device=x.device)  # one unwritten column at k = 0
+    ids = torch.empty(M, max(k, 1), dtype=torch.int32, device=x.device)
+    exe(x, router_weight, latent_weight, gate_up_weight[shard * width:D + (shard + 1) * width], logits, latent, h,
+        logits[0] if bias is None else bias, weights, ids, counter)
+    return logits, latent, h, weights[:, :k], ids[:, :k]

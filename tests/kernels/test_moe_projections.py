@@ -70,12 +70,55 @@ def test_moe_in_matches_its_reference(M, shard, shards):
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))
 
 
+@pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("M", [1, 8])
-def test_moe_in_compiles_for_sm90a(M):
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("E, k, renormalize, scale", [(896, 16, True, 2.5), (896, 32, False, 1.0), (48, 6, True, 1.0)])
+def test_moe_in_chooses_the_experts(M, E, k, renormalize, scale):
+    """The choice made by the last router CTA is ``select_experts`` of the kernel's own
+    logits: the same experts in the same order, weights to fp32 rounding; the last row
+    is a zero (padding) row; ten calls, so the arrival counter resets."""
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+    from kimi_inductor.stock.moe import select_experts
+
+    H, D, L, _ = SHAPE
+    w = weights(H, D, L, E)
+    x = rows(M, H, M)
+    x[-1] = 0
+    bias = (torch.randn(E, generator=torch.Generator().manual_seed(E)) * 0.1).to(DEVICE)
+    assert mp.fused_routing(x, w["router"], k, renormalize, scale) is not None
+    for _ in range(10):
+        logits, *_, weights_, ids = torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], 1, 8,
+                                                                  *SITU, bias, k, renormalize, scale)
+        want_w, want_ids = select_experts(logits, bias, k, renormalize, scale)
+        assert ids.dtype == torch.int32 and ids.shape == (M, k) and torch.equal(ids, want_ids.int())
+        torch.testing.assert_close(weights_, want_w, rtol=2e-6, atol=1e-7)
+    assert cute_gemv.routing_supported(M, cute_gemv.moe_in_config(M), cute_gemv.Routing(E, 33, True, 1.0))
+
+
+def test_moe_in_routed_reference_is_select_experts():
+    """Off the GPU kernel, moe_in's choice is ``select_experts`` after the reference."""
+    from kimi_inductor.stock.moe import select_experts
+
+    H, D, L, E = 64, 96, 128, 16
+    w = {k: v.cpu() for k, v in weights(H, D, L, E).items()}
+    x, bias = rows(3, H, 0).cpu(), torch.linspace(-0.1, 0.1, E)
+    logits, z, h, weights_, ids = torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], 1, 2,
+                                                                *SITU, bias, 4, True, 2.5)
+    want_w, want_ids = select_experts(logits, bias, 4, True, 2.5)
+    assert torch.equal(weights_, want_w) and torch.equal(ids, want_ids.int())
+    assert torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], 1, 2, *SITU)[3].shape == (3, 0)
+
+
+@needs_cute
+@pytest.mark.parametrize("M, routed", [(1, True), (4, True), (8, False)])
+def test_moe_in_compiles_for_sm90a(M, routed):
     from kimi_inductor.kernels.skinny_gemm import cute_gemv
 
-    exe = cute_gemv.compile_moe_in(M, 7168, 896, 3584, 12288, 768, SITU, cute_gemv.moe_in_config(M), arch="sm_90a")
+    routing = cute_gemv.Routing(896, 16, True, 2.5) if routed else None
+    exe = cute_gemv.compile_moe_in(M, 7168, 896, 3584, 12288, 768, SITU, cute_gemv.moe_in_config(M), routing,
+                                   pdl=routed, arch="sm_90a")
     assert exe.has_gpu_module
 
 
@@ -87,7 +130,7 @@ def test_moe_in_reference_is_the_replaced_ops():
     H, D, L, E = 64, 96, 128, 16
     w = {k: v.cpu() for k, v in weights(H, D, L, E).items()}
     x = rows(3, H, 0).cpu()
-    logits, z, h = torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], 1, 2, *SITU)
+    logits, z, h, _, _ = torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], 1, 2, *SITU)
     gu = w["gate_up"].float()
     assert torch.equal(logits, x.float() @ w["router"].float().t())
     assert torch.equal(z, x @ w["latent"].t())
