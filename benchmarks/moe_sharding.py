@@ -145,7 +145,7 @@ def sweep(res, x, y, w, cfg, G):
                     if cute_gemv.moe_in_supported(M, x.shape[1], routing.experts, w["down"].shape[0],
                                                   w["gate_up"].shape[0] // 2 // G, c):
                         continue
-                    for routed in (routing, None):
+                    for routed in (routing, None) if c == cute_gemv.moe_in_config(M) else (routing,):
                         t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G,
                                                                          situ, w["bias"], routed, pdl, c),
                                           calls=10, replays=5)
