@@ -138,7 +138,7 @@ def sweep(res, x, y, w, cfg, G):
     routing = cute_gemv.Routing(w["gate"].shape[0], *route[1:])
     pdl = bool(moe_router.pdl(x.device)["PDL"])
     if M <= moe_projections.MAX_ROWS_IN and not skinny_gemm.cute_available():
-        for r in (1, 2, 4):
+        for r in (1, 2):
             for warps in (4, 8):
                 for unroll in (2, 4):
                     c = cute_gemv.Config(r, warps, 1, unroll)

@@ -353,6 +353,7 @@ class Routing(NamedTuple):
 
 
 MAX_ROUTED_K = WARP  # one lane per chosen expert
+CANDIDATES = 64  # scores at or above the threshold ranked directly (about 21 for K3's router)
 
 
 class MoEInGemv:
@@ -410,8 +411,15 @@ class MoEInGemv:
         if bx < b0:  # x stands in for the unused norm weight and accumulator
             self.segments[0].tile_of(x, w_router, x, x, logits, bx, load_w, load_x)
             if const_expr(self.routing is not None):
-                if self.last_of(counter, b0):
-                    self.route(logits, bias, weights, ids)
+                rows: cutlass.Constexpr = self.rows
+                smem = cutlass.memory.SmemAllocator()
+                flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+                scores = smem.allocate_tensor(Float32, cute.make_layout((rows, self.routing.experts),
+                                                                        stride=(self.routing.experts, 1)))
+                cand = smem.allocate_tensor(Int32, cute.make_layout((rows, CANDIDATES), stride=(CANDIDATES, 1)))
+                chosen = smem.allocate_tensor(Int32, cute.make_layout((rows, WARP), stride=(WARP, 1)))
+                if self.last_of(counter, b0, flag):
+                    self.route(logits, bias, weights, ids, scores, cand, chosen)
         else:
             if bx < b1:
                 self.segments[1].tile_of(x, w_latent, x, x, latent, bx - b0, load_w, load_x)
@@ -419,14 +427,13 @@ class MoEInGemv:
                 self.segments[2].tile_of(x, w_shared, x, x, shared, bx - b1, load_w, load_x)
 
     @cute.jit
-    def last_of(self, counter: cute.Tensor, ctas: Int32):
+    def last_of(self, counter: cute.Tensor, ctas: Int32, flag: cute.Tensor):
         """Whether this CTA is the last of ``ctas`` to get here (the others' writes then
-        visible to it); the last resets the counter for the next call."""
+        visible to it); the last resets the counter for the next call. ``flag``: one
+        Int32 of shared memory."""
         tidx, _, _ = cute.arch.thread_idx()
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
-        smem = cutlass.memory.SmemAllocator()
-        flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         if tidx == 0:
             arrived = cute.arch.atomic_add(counter.iterator.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
             flag[0] = Int32(arrived == ctas - 1)
@@ -439,59 +446,85 @@ class MoEInGemv:
         return last
 
     @cute.jit
-    def route(self, logits: cute.Tensor, bias: cute.Tensor, weights: cute.Tensor, ids: cute.Tensor):
-        """Warp m < M: row m's top k (see the class)."""
+    def route(self, logits: cute.Tensor, bias: cute.Tensor, weights: cute.Tensor, ids: cute.Tensor,
+              scores: cute.Tensor, cand: cute.Tensor, chosen: cute.Tensor):
+        """Warp m < M: row m's top k (see the class). Shared memory: ``scores`` [M, E] the
+        biased scores, ``cand`` [M, CANDIDATES] and ``chosen`` [M, 32] expert ids."""
         E: cutlass.Constexpr = self.routing.experts
         k: cutlass.Constexpr = self.routing.k
-        per: cutlass.Constexpr = -(-self.routing.experts // WARP)
         lane = cute.arch.lane_idx()
         m = cute.arch.warp_idx()
         if m < self.rows:
-            score = cute.make_rmem_tensor(cute.make_layout(per), Float32)  # biased; -inf: padding or taken
-            for i in cutlass.range_constexpr(per):
-                score[i] = Float32(-math.inf)
-                if lane + i * WARP < E:
-                    score[i] = _sigmoid(logits[m, lane + i * WARP]) + bias[lane + i * WARP].to(Float32)
-            mine = Int32(0)
-            best, at = _lane_best(score, lane, E, per)
-            for j in cutlass.range_constexpr(k):
-                top, top_at = best, at
-                for d in cutlass.range_constexpr(5):  # butterfly arg-max: every lane gets the winner
-                    other = cute.arch.shuffle_sync_bfly(top, offset=1 << d)
-                    other_at = cute.arch.shuffle_sync_bfly(top_at, offset=1 << d)
-                    if other > top or (other == top and other_at < top_at):
-                        top, top_at = other, other_at
-                if lane == j:
-                    mine = top_at
-                if lane == top_at % WARP:
-                    for i in cutlass.range_constexpr(per):
-                        if lane + i * WARP == top_at:
-                            score[i] = Float32(-math.inf)
-                    best, at = _lane_best(score, lane, E, per)
-            w = Float32(0.0)
+            top = Float32(-math.inf)  # the lane's largest score
+            for e in cutlass.range(lane, E, WARP, unroll=4):
+                v = _sigmoid(logits[m, e]) + bias[e].to(Float32)
+                scores[m, e] = v
+                if v > top:
+                    top = v
+            # t = the k-th largest of the 32 lanes' maxima: at least k scores reach it
+            rank = Int32(0)
+            for d in cutlass.range_constexpr(1, WARP):
+                other = cute.arch.shuffle_sync(top, offset=(lane + d) % WARP)
+                if other > top or (other == top and (lane + d) % WARP < lane):
+                    rank = rank + 1
+            t = cute.arch.warp_reduction_max(top if rank == k - 1 else Float32(-math.inf))
+            count = Int32(0)
+            for e in cutlass.range(lane, E, WARP, unroll=4):
+                count = count + Int32(scores[m, e] >= t)
+            end = count  # inclusive prefix sum over the lanes
+            for d in cutlass.range_constexpr(5):
+                below = cute.arch.shuffle_sync_up(end, offset=1 << d)
+                if lane >= (1 << d):
+                    end = end + below
+            total = cute.arch.shuffle_sync(end, offset=WARP - 1)
+            if total <= CANDIDATES:  # the candidates' ranks among themselves are the choice
+                at = end - count
+                for e in cutlass.range(lane, E, WARP, unroll=4):
+                    if scores[m, e] >= t:
+                        cand[m, at] = e
+                        at = at + 1
+                cute.arch.sync_warp()
+                for j in cutlass.range(lane, total, WARP):
+                    e = cand[m, j]
+                    v = scores[m, e]
+                    r = Int32(0)
+                    for i in cutlass.range(total, unroll=4):
+                        other_e = cand[m, i]
+                        other = scores[m, other_e]
+                        if other > v or (other == v and other_e < e):
+                            r = r + 1
+                    if r < k:
+                        chosen[m, r] = e
+            else:  # ties past the threshold: k warp arg-max passes
+                for j in cutlass.range(k):
+                    best, best_e = Float32(-math.inf), Int32(E)
+                    for e in cutlass.range(lane, E, WARP, unroll=4):
+                        if scores[m, e] > best:
+                            best, best_e = scores[m, e], e
+                    for d in cutlass.range_constexpr(5):
+                        other = cute.arch.shuffle_sync_bfly(best, offset=1 << d)
+                        other_e = cute.arch.shuffle_sync_bfly(best_e, offset=1 << d)
+                        if other > best or (other == best and other_e < best_e):
+                            best, best_e = other, other_e
+                    if lane == 0:
+                        chosen[m, j] = best_e
+                        scores[m, best_e] = Float32(-math.inf)
+                    cute.arch.sync_warp()
+            cute.arch.sync_warp()
+            w, e = Float32(0.0), Int32(0)
             if lane < k:
-                w = _sigmoid(logits[m, mine])
+                e = chosen[m, lane]
+                w = _sigmoid(logits[m, e])
             if const_expr(self.routing.renormalize):
                 w = w / cute.arch.warp_reduction_sum(w)
             if lane < k:
                 weights[m, lane] = w * self.routing.scale
-                ids[m, lane] = mine
+                ids[m, lane] = e
 
 
 @cute.jit
 def _sigmoid(v: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-v))
-
-
-@cute.jit
-def _lane_best(score: cute.Tensor, lane: Int32, E: cutlass.Constexpr, per: cutlass.Constexpr):
-    """(the largest of a lane's ``per`` scores, its expert): the first in expert order on
-    ties; (-inf, E) when all are taken."""
-    best, at = Float32(-math.inf), Int32(E)
-    for i in cutlass.range_constexpr(per):
-        if score[i] > best:
-            best, at = score[i], lane + i * WARP
-    return best, at
 
 
 # rows -> the best ``MoEInGemv`` configuration of the H200 sweep at K3 shapes, G = 8

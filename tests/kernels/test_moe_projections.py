@@ -97,6 +97,21 @@ def test_moe_in_chooses_the_experts(M, E, k, renormalize, scale):
     assert cute_gemv.routing_supported(M, cute_gemv.moe_in_config(M), cute_gemv.Routing(E, 33, True, 1.0))
 
 
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_moe_in_choice_breaks_ties_by_index():
+    """All 896 scores equal (zero rows, zero bias: past the threshold's candidate limit):
+    the k lowest experts, as ``select_experts``' order; renormalised weights 1/k."""
+    H, D, L, E = SHAPE
+    w = weights(H, D, L, E)
+    x, bias = torch.zeros(2, H, dtype=torch.bfloat16, device=DEVICE), torch.zeros(E, device=DEVICE)
+    *_, weights_, ids = torch.ops.kimi_kernels.moe_in(x, w["router"], w["latent"], w["gate_up"], 0, 8, *SITU, bias,
+                                                      16, True, 2.0)
+    assert torch.equal(ids.cpu(), torch.arange(16, dtype=torch.int32).expand(2, 16))
+    torch.testing.assert_close(weights_, torch.full_like(weights_, 2.0 / 16))
+
+
 def test_moe_in_routed_reference_is_select_experts():
     """Off the GPU kernel, moe_in's choice is the ``select_experts`` op after the reference
     (stock's math on CPU, its Triton kernel in the interpreter)."""
