@@ -353,7 +353,6 @@ class Routing(NamedTuple):
 
 
 MAX_ROUTED_K = WARP  # one lane per chosen expert
-ROUTER_UNROLL = 2  # the router's warp steps in flight, x the others': its CTAs finish first
 CANDIDATES = 64  # scores at or above the threshold ranked directly (about 21 for K3's router)
 
 
@@ -365,8 +364,7 @@ class MoEInGemv:
     GEMV's whole-K tile (no split: the three together are hundreds of tiles). Router and
     shared CTAs take half the latent's outputs per warp where it has two or more (a
     shared output is two weight rows: so every CTA but the router's streams the same
-    bytes) and router warps keep ``ROUTER_UNROLL`` times the others' steps in flight
-    (a CTA's time is its K steps' latency: so the router's finish first). The shared block's weight is the row range
+    bytes, and the router's finish first). The shared block's weight is the row range
     [a, D + a + width) of [gate; up] (D = its gate rows), read in place: gate row a + j,
     up row D + a + j.
 
@@ -379,11 +377,12 @@ class MoEInGemv:
 
     def __init__(self, rows: int, cfg: Config, n_router: int, n_latent: int, n_shared: int, half: int,
                  situ: tuple[float, float], routing: Routing | None = None, pdl: bool = False):
-        def segment(r, out_dtype, fusion=PLAIN, half=0, unroll=cfg.unroll):
-            return SplitKGemv(rows, r, cfg.warps, 1, unroll, False, cutlass.BFloat16, out_dtype, fusion, half=half)
+        def segment(r, out_dtype, fusion=PLAIN, half=0):
+            return SplitKGemv(rows, r, cfg.warps, 1, cfg.unroll, False, cutlass.BFloat16, out_dtype, fusion,
+                              half=half)
 
         small = max(1, cfg.r // 2)
-        self.segments = (segment(small, Float32, unroll=ROUTER_UNROLL * cfg.unroll), segment(cfg.r, cutlass.BFloat16),
+        self.segments = (segment(small, Float32), segment(cfg.r, cutlass.BFloat16),
                          segment(small, cutlass.BFloat16, Fusion(situ=situ), half))
         self.blocks = tuple(-(-n // s.tile) for n, s in zip((n_router, n_latent, n_shared), self.segments))
         self.threads = cfg.warps * WARP
@@ -457,7 +456,7 @@ class MoEInGemv:
         m = cute.arch.warp_idx()
         if m < self.rows:
             top = Float32(-math.inf)  # the lane's largest score
-            for e in cutlass.range(lane, E, WARP, unroll=8):
+            for e in cutlass.range(lane, E, WARP, unroll=4):
                 v = _sigmoid(logits[m, e]) + bias[e].to(Float32)
                 scores[m, e] = v
                 if v > top:
