@@ -529,7 +529,7 @@ def _sigmoid(v: Float32) -> Float32:
 
 # rows -> the best ``MoEInGemv`` configuration of the H200 sweep at K3 shapes, G = 8
 # (benchmarks/moe_sharding.py --sweep, docs/results/moe_sharding_h200_v2.json)
-TUNED_MOE_IN = {1: Config(2, 8, 1, 4), 2: Config(1, 4, 1, 2), 4: Config(1, 4, 1, 4)}
+TUNED_MOE_IN = {1: Config(2, 8, 1, 2), 2: Config(1, 8, 1, 4), 4: Config(1, 4, 1, 4)}
 
 
 def moe_in_config(M: int) -> Config:
