@@ -527,8 +527,8 @@ def _sigmoid(v: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-v))
 
 
-# rows -> the best ``MoEInGemv`` configuration of the H200 sweep at K3 shapes, G = 8
-# (benchmarks/moe_sharding.py --sweep, docs/results/moe_sharding_h200_v2.json)
+# rows -> the best ``MoEInGemv`` configuration (with the expert choice) of the H200 sweep at
+# K3 shapes, G = 8 (benchmarks/moe_sharding.py --sweep, docs/results/moe_sharding_h200_v3_sweep.json)
 TUNED_MOE_IN = {1: Config(2, 8, 1, 2), 2: Config(1, 8, 1, 4), 4: Config(1, 4, 1, 4)}
 
 
