@@ -363,17 +363,17 @@ class MoEInGemv:
     outputs, the next B_latent the latent's, the rest the shared block's, each the plain
     GEMV's whole-K tile (no split: the three together are hundreds of tiles). Router and
     shared CTAs take half the latent's outputs per warp where it has two or more (a
-    shared output is two weight rows: so every CTA but the router's streams the same
-    bytes, and the router's finish first). The shared block's weight is the row range
-    [a, D + a + width) of [gate; up] (D = its gate rows), read in place: gate row a + j,
-    up row D + a + j.
+    shared output is two weight rows: so the latent's and the shared CTAs stream the same
+    bytes). The shared block's weight is the row range [a, D + a + width) of [gate; up]
+    (D = its gate rows), read in place: gate row a + j, up row D + a + j.
 
     With ``routing``: the router CTA that finishes last (an arrival counter, as the split-K
-    GEMV's) also chooses each row's experts while the other CTAs still stream: warp m
-    takes row m's E logits, E / 32 per lane, and takes the k largest biased scores by k
-    warp arg-max reductions (ties: the lowest index, as ``select_experts``), then lane j
-    writes expert j and its weight. Launched with programmatic dependent launch when
-    ``pdl``: the weights' first loads wait for the previous kernel only through x."""
+    GEMV's) also chooses each row's experts: warp m puts row m's E biased scores in
+    shared memory (registers would cost the GEMV occupancy), takes the k-th largest of
+    its 32 lanes' maxima as a threshold that at least k scores reach, and ranks the
+    scores at or above it among themselves (ties: the lowest index, as
+    ``select_experts``); past ``CANDIDATES`` of them, k warp arg-max passes. Lane j writes
+    expert j and its weight. Launched with programmatic dependent launch when ``pdl``."""
 
     def __init__(self, rows: int, cfg: Config, n_router: int, n_latent: int, n_shared: int, half: int,
                  situ: tuple[float, float], routing: Routing | None = None, pdl: bool = False):
