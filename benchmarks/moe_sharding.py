@@ -138,18 +138,15 @@ def sweep(res, x, y, w, cfg, G):
     routing = cute_gemv.Routing(w["gate"].shape[0], *route[1:])
     pdl = bool(moe_router.pdl(x.device)["PDL"])
     if M <= moe_projections.MAX_ROWS_IN and not skinny_gemm.cute_available():
-        for r in (1, 2):
-            for warps in (4, 8):
-                for unroll in (2, 4):
-                    c = cute_gemv.Config(r, warps, 1, unroll)
-                    if cute_gemv.moe_in_supported(M, x.shape[1], routing.experts, w["down"].shape[0],
-                                                  w["gate_up"].shape[0] // 2 // G, c):
-                        continue
-                    for routed in (routing, None) if c == cute_gemv.moe_in_config(M) else (routing,):
-                        t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G,
-                                                                         situ, w["bias"], routed, pdl, c),
-                                          calls=10, replays=5)
-                        rows.append(dict(op="moe_in" + (" routed" if routed else ""), config=list(c), us=t))
+        base = cute_gemv.moe_in_config(M)
+        for c in [base._replace(split=sp) for sp in (1, 2, 4)]:  # the router's K split
+            if cute_gemv.moe_in_supported(M, x.shape[1], routing.experts, w["down"].shape[0],
+                                          w["gate_up"].shape[0] // 2 // G, c):
+                continue
+            for routed in (routing, None) if c == base else (routing,):
+                t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G, situ,
+                                                                 w["bias"], routed, pdl, c), calls=10, replays=5)
+                rows.append(dict(op="moe_in" + (" routed" if routed else ""), config=list(c), us=t))
         unfused = torch.compile(lambda x: projections_in(x, w, cfg, 0, G, False), dynamic=False)
         rows.append(dict(op="moe_in replaced ops", us=graph_time_us(lambda i: unfused(x), calls=10, replays=5)))
     for bn in (32, 64):

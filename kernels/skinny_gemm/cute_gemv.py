@@ -204,57 +204,57 @@ class SplitKGemv:
                load_x: cute.CopyAtom):
         """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
         with RMSNorm: the chunk's sum of x^2)]."""
+        bx, s, _ = cute.arch.block_idx()
+        if const_expr(self.split == 1):
+            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x)
+        else:
+            flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+            self.split_tile(x, w, gamma, acc, out, ws, counters, bx, s, flag, load_w, load_x)
+
+    @cute.jit
+    def split_tile(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+                   ws: cute.Tensor, counters: cute.Tensor, bx: Int32, s: Int32, flag: cute.Tensor,
+                   load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+        """CTA (``bx``, ``s``): K chunk s of output tile bx; the CTA that arrives last at
+        ``counters[bx]`` sums the tile's partials and writes it. Returns whether this CTA
+        did (uniform over the CTA). ``flag``: one Int32 of shared memory."""
         rows: cutlass.Constexpr = self.rows
         r: cutlass.Constexpr = self.r
         wrows: cutlass.Constexpr = self.wrows
         split: cutlass.Constexpr = self.split
         tile: cutlass.Constexpr = self.tile
+        n = cute.size(out, mode=[1])
+        k = cute.size(w, mode=[1])
         tidx, _, _ = cute.arch.thread_idx()
-        bx, s, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        if const_expr(split == 1):
-            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x)
-        else:
-            n0 = bx * tile + warp * r
-            part, sq = self.partials()
-            if n0 < n:
-                self.dot(x, w, gamma, n0, n, s * (k // (STEP * split)) * WARP + lane, k // (STEP * split), load_w,
-                         load_x, part, sq)
-                for m in cutlass.range_constexpr(rows):
-                    for j in cutlass.range_constexpr(wrows):
-                        if lane == m * wrows + j:
-                            ws[s, m, n0 + j % r + (j // r) * n] = part[m, j]
-                    if const_expr(self.norm):
-                        if lane == 0 and warp == 0:
-                            ws[s, m, n] = sq[m]  # every tile writes the same value
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            flag = cute.make_rmem_tensor(cute.make_layout(1), Int32)
-            smem = cutlass.memory.SmemAllocator()
-            last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-            if tidx == 0:
-                arrived = cute.arch.atomic_add((counters.iterator + bx).llvm_ptr, Int32(1), sem="acq_rel",
-                                               scope="gpu")
-                last[0] = Int32(arrived == split - 1)
-            cute.arch.sync_threads()
-            flag[0] = last[0]
-            if flag[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
-                if tidx < tile * rows:
-                    m = tidx // tile
-                    nn = bx * tile + tidx % tile
-                    if nn < n:
-                        total, up, ss = Float32(0.0), Float32(0.0), Float32(0.0)
-                        for i in cutlass.range_constexpr(split):
-                            total = total + ws[i, m, nn]
-                            if const_expr(self.situ):
-                                up = up + ws[i, m, n + nn]
-                            if const_expr(self.norm):
-                                ss = ss + ws[i, m, n]
-                        out[m, nn] = self.finish(total, up, ss, acc, m, nn)
-                if tidx == 0:
-                    counters[bx] = Int32(0)
+        n0 = bx * tile + warp * r
+        part, sq = self.partials()
+        if n0 < n:
+            self.dot(x, w, gamma, n0, n, s * (k // (STEP * split)) * WARP + lane, k // (STEP * split), load_w,
+                     load_x, part, sq)
+            for m in cutlass.range_constexpr(rows):
+                for j in cutlass.range_constexpr(wrows):
+                    if lane == m * wrows + j:
+                        ws[s, m, n0 + j % r + (j // r) * n] = part[m, j]
+                if const_expr(self.norm):
+                    if lane == 0 and warp == 0:
+                        ws[s, m, n] = sq[m]  # every tile writes the same value
+        last = arrived_last(counters, bx, split, flag)
+        if last:
+            if tidx < tile * rows:
+                m = tidx // tile
+                nn = bx * tile + tidx % tile
+                if nn < n:
+                    total, up, ss = Float32(0.0), Float32(0.0), Float32(0.0)
+                    for i in cutlass.range_constexpr(split):
+                        total = total + ws[i, m, nn]
+                        if const_expr(self.situ):
+                            up = up + ws[i, m, n + nn]
+                        if const_expr(self.norm):
+                            ss = ss + ws[i, m, n]
+                    out[m, nn] = self.finish(total, up, ss, acc, m, nn)
+        return last
 
     @cute.jit
     def partials(self):
@@ -365,7 +365,9 @@ class MoEInGemv:
     shared CTAs take half the latent's outputs per warp where it has two or more (a
     shared output is two weight rows: so the latent's and the shared CTAs stream the same
     bytes). The shared block's weight is the row range [a, D + a + width) of [gate; up]
-    (D = its gate rows), read in place: gate row a + j, up row D + a + j.
+    (D = its gate rows), read in place: gate row a + j, up row D + a + j. ``cfg.split``
+    splits the router's K (``SplitKGemv.split_tile``): a CTA's time is its K steps'
+    latency, so its CTAs then finish before the others.
 
     With ``routing``: the router CTA that finishes last (an arrival counter, as the split-K
     GEMV's) also chooses each row's experts: warp m puts row m's E biased scores in
@@ -377,73 +379,64 @@ class MoEInGemv:
 
     def __init__(self, rows: int, cfg: Config, n_router: int, n_latent: int, n_shared: int, half: int,
                  situ: tuple[float, float], routing: Routing | None = None, pdl: bool = False):
-        def segment(r, out_dtype, fusion=PLAIN, half=0):
-            return SplitKGemv(rows, r, cfg.warps, 1, cfg.unroll, False, cutlass.BFloat16, out_dtype, fusion,
+        def segment(r, out_dtype, fusion=PLAIN, half=0, split=1):
+            return SplitKGemv(rows, r, cfg.warps, split, cfg.unroll, False, cutlass.BFloat16, out_dtype, fusion,
                               half=half)
 
-        small = max(1, cfg.r // 2)
-        self.segments = (segment(small, Float32), segment(cfg.r, cutlass.BFloat16),
+        small = halved(cfg)
+        self.segments = (segment(small, Float32, split=cfg.split), segment(cfg.r, cutlass.BFloat16),
                          segment(small, cutlass.BFloat16, Fusion(situ=situ), half))
-        self.blocks = tuple(-(-n // s.tile) for n, s in zip((n_router, n_latent, n_shared), self.segments))
+        self.tiles = tuple(-(-n // s.tile) for n, s in zip((n_router, n_latent, n_shared), self.segments))
+        self.blocks = (self.tiles[0] * cfg.split, *self.tiles[1:])
         self.threads = cfg.warps * WARP
         self.rows, self.routing, self.pdl = rows, routing, pdl
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w_router: cute.Tensor, w_latent: cute.Tensor, w_shared: cute.Tensor,
                  logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, bias: cute.Tensor,
-                 weights: cute.Tensor, ids: cute.Tensor, counter: cute.Tensor, stream: CUstream):
+                 weights: cute.Tensor, ids: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, stream: CUstream):
         load_w, load_x = _loads(cutlass.BFloat16)
-        self.kernel(x, w_router, w_latent, w_shared, logits, latent, shared, bias, weights, ids, counter, load_w,
+        self.kernel(x, w_router, w_latent, w_shared, logits, latent, shared, bias, weights, ids, ws, counters, load_w,
                     load_x).launch(grid=[sum(self.blocks), 1, 1], block=[self.threads, 1, 1], stream=stream,
                                    use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w_router: cute.Tensor, w_latent: cute.Tensor, w_shared: cute.Tensor,
                logits: cute.Tensor, latent: cute.Tensor, shared: cute.Tensor, bias: cute.Tensor,
-               weights: cute.Tensor, ids: cute.Tensor, counter: cute.Tensor, load_w: cute.CopyAtom,
-               load_x: cute.CopyAtom):
+               weights: cute.Tensor, ids: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor,
+               load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+        """ws [split, M, E]: the router's K-chunk partials; counters [router tiles + 1]: the
+        tiles' arrivals, then the finished tiles' (the choice)."""
         b0: cutlass.Constexpr = self.blocks[0]
         b1: cutlass.Constexpr = self.blocks[0] + self.blocks[1]
+        tiles: cutlass.Constexpr = self.tiles[0]
         bx, _, _ = cute.arch.block_idx()
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if bx < b0:  # x stands in for the unused norm weight and accumulator
-            self.segments[0].tile_of(x, w_router, x, x, logits, bx, load_w, load_x)
+            smem = cutlass.memory.SmemAllocator()
+            flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+            finished = True
+            if const_expr(self.segments[0].split == 1):
+                self.segments[0].tile_of(x, w_router, x, x, logits, bx, load_w, load_x)
+            else:  # the chunks of a tile are CTAs bx, bx + tiles, ...
+                finished = self.segments[0].split_tile(x, w_router, x, x, logits, ws, counters, bx % tiles, bx // tiles, flag,
+                                             load_w, load_x)
             if const_expr(self.routing is not None):
                 rows: cutlass.Constexpr = self.rows
-                smem = cutlass.memory.SmemAllocator()
-                flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
                 scores = smem.allocate_tensor(Float32, cute.make_layout((rows, self.routing.experts),
                                                                         stride=(self.routing.experts, 1)))
                 cand = smem.allocate_tensor(Int32, cute.make_layout((rows, CANDIDATES), stride=(CANDIDATES, 1)))
                 chosen = smem.allocate_tensor(Int32, cute.make_layout((rows, WARP), stride=(WARP, 1)))
-                if self.last_of(counter, b0, flag):
-                    self.route(logits, bias, weights, ids, scores, cand, chosen)
+                if finished:
+                    if arrived_last(counters, tiles, tiles, flag):
+                        self.route(logits, bias, weights, ids, scores, cand, chosen)
         else:
             if bx < b1:
                 self.segments[1].tile_of(x, w_latent, x, x, latent, bx - b0, load_w, load_x)
             else:
                 self.segments[2].tile_of(x, w_shared, x, x, shared, bx - b1, load_w, load_x)
-
-    @cute.jit
-    def last_of(self, counter: cute.Tensor, ctas: Int32, flag: cute.Tensor):
-        """Whether this CTA is the last of ``ctas`` to get here (the others' writes then
-        visible to it); the last resets the counter for the next call. ``flag``: one
-        Int32 of shared memory."""
-        tidx, _, _ = cute.arch.thread_idx()
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        if tidx == 0:
-            arrived = cute.arch.atomic_add(counter.iterator.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
-            flag[0] = Int32(arrived == ctas - 1)
-            if arrived == ctas - 1:
-                counter[0] = Int32(0)
-        cute.arch.sync_threads()
-        last = flag[0] != 0
-        if last:
-            cute.arch.fence_acq_rel_gpu()
-        return last
 
     @cute.jit
     def route(self, logits: cute.Tensor, bias: cute.Tensor, weights: cute.Tensor, ids: cute.Tensor,
@@ -523,13 +516,33 @@ class MoEInGemv:
 
 
 @cute.jit
+def arrived_last(counters: cute.Tensor, i: Int32, count: Int32, flag: cute.Tensor):
+    """Whether this CTA is the last of ``count`` to arrive at ``counters[i]`` (then the
+    others' writes before their arrival are visible to it); the last resets the counter
+    for the next call. Uniform over the CTA; ``flag``: one Int32 of shared memory."""
+    tidx, _, _ = cute.arch.thread_idx()
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+    if tidx == 0:
+        arrived = cute.arch.atomic_add((counters.iterator + i).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        flag[0] = Int32(arrived == count - 1)
+        if arrived == count - 1:
+            counters[i] = Int32(0)
+    cute.arch.sync_threads()
+    last = flag[0] != 0
+    if last:
+        cute.arch.fence_acq_rel_gpu()
+    return last
+
+
+@cute.jit
 def _sigmoid(v: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-v))
 
 
 # rows -> the best ``MoEInGemv`` configuration (with the expert choice) of the H200 sweep at
 # K3 shapes, G = 8 (benchmarks/moe_sharding.py --sweep, docs/results/moe_sharding_h200_v3_sweep.json)
-TUNED_MOE_IN = {1: Config(2, 8, 1, 2), 2: Config(1, 8, 1, 4), 4: Config(1, 4, 1, 4)}
+TUNED_MOE_IN = {1: Config(2, 8, 2, 2), 2: Config(1, 8, 2, 4), 4: Config(1, 4, 2, 4)}
 
 
 def moe_in_config(M: int) -> Config:
@@ -537,13 +550,19 @@ def moe_in_config(M: int) -> Config:
     return TUNED_MOE_IN.get(M, Config(1, 4, 1, 4))
 
 
+def halved(cfg: Config) -> int:
+    """Outputs per warp of ``MoEInGemv``'s router and shared segments."""
+    return max(1, cfg.r // 2)
+
+
 def moe_in_supported(M: int, K: int, n_router: int, n_latent: int, width: int, cfg: Config) -> str:
     """Why ``MoEInGemv`` cannot take these shapes ('' when it can); ``width``: the shared
     block's outputs."""
-    small = max(1, cfg.r // 2)
+    small = halved(cfg)
     situ = Fusion(situ=(1.0, 1.0))
-    for r, n, fusion in ((small, n_router, PLAIN), (cfg.r, n_latent, PLAIN), (small, 2 * width, situ)):
-        why = supported(M, n, K, Config(r, cfg.warps, 1, cfg.unroll), fusion)
+    for r, n, fusion, split in ((small, n_router, PLAIN, cfg.split), (cfg.r, n_latent, PLAIN, 1),
+                                (small, 2 * width, situ, 1)):
+        why = supported(M, n, K, Config(r, cfg.warps, split, cfg.unroll), fusion)
         if why:
             return why
     return ""
@@ -568,7 +587,8 @@ def compile_moe_in(M: int, K: int, n_router: int, n_latent: int, gate_up_rows: i
     args = (_fake(bf16, (M, K)), _fake(bf16, (n_router, K)), _fake(bf16, (n_latent, K)),
             _fake(bf16, (half + width, K)), _fake(torch.float32, (M, n_router)), _fake(bf16, (M, n_latent)),
             _fake(bf16, (M, width)), _fake(torch.float32, (n_router,)), _fake(torch.float32, (M, k)),
-            _fake(torch.int32, (M, k)), _fake(torch.int32, (1,)), make_fake_stream(use_tvm_ffi_env_stream=True))
+            _fake(torch.int32, (M, k)), _fake(torch.float32, (cfg.split, M, n_router)),
+            _fake(torch.int32, (kernel.tiles[0] + 1,)), make_fake_stream(use_tvm_ffi_env_stream=True))
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *args, options=options)
 
@@ -650,15 +670,17 @@ def run_moe_in(x: torch.Tensor, router_weight: torch.Tensor, latent_weight: torc
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.moe_in: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
-        counter = torch.zeros(1, dtype=torch.int32, device=x.device)  # reset by the last router CTA
-        _executors[key] = compile_moe_in(M, K, E, L, 2 * D, width, situ, cfg, routing, pdl), counter
-    exe, counter = _executors[key]
+        # the router tiles' arrival counters and the choice's, each reset by its last CTA
+        counters = torch.zeros(tiles(E, cfg._replace(r=halved(cfg))) + 1, dtype=torch.int32, device=x.device)
+        _executors[key] = compile_moe_in(M, K, E, L, 2 * D, width, situ, cfg, routing, pdl), counters
+    exe, counters = _executors[key]
     k = routing.k if routing else 0
     logits = torch.empty(M, E, dtype=torch.float32, device=x.device)
     latent = torch.empty(M, L, dtype=x.dtype, device=x.device)
     h = torch.empty(M, width, dtype=x.dtype, device=x.device)
     weights = torch.empty(M, max(k, 1), dtype=torch.float32, device=x.device)  # one unwritten column at k = 0
     ids = torch.empty(M, max(k, 1), dtype=torch.int32, device=x.device)
+    ws = torch.empty(cfg.split, M, E, dtype=torch.float32, device=x.device)
     exe(x, router_weight, latent_weight, gate_up_weight[shard * width:D + (shard + 1) * width], logits, latent, h,
-        logits[0] if bias is None else bias, weights, ids, counter)
+        logits[0] if bias is None else bias, weights, ids, ws, counters)
     return logits, latent, h, weights[:, :k], ids[:, :k]
