@@ -5,7 +5,7 @@ Per rank and layer, at R rows (q = 1):
 
     attention   KDA or MLA layer step (``kda_layer_q1_h200_v6``, ``mla_layer_h200_v2`` / ``_v1``)
     AttnRes     2 fused calls (``attn_res_h200_v2``: the median over 1-7 saved blocks)
-    MoE         non-expert work (``moe_sharding_h200_v3``, one run): the row shard, the
+    MoE         non-expert work (``moe_sharding_h200_v4``, one run): the row shard, the
                 sharded layer as Inductor compiles it, or as lower_kernels runs it
                 (``kimi_us``: moe_in with the expert choice, moe_out)
     experts     the slowest rank's experts: E[max over the 8 EP ranks of the distinct
@@ -72,7 +72,7 @@ def project(R: int) -> dict:
     except KeyError:
         mla = _at(_rows("mla_layer_h200_v1.json"), R, "kimi_us", q=1)
     attn_res = 2 * _at(_rows("attn_res_h200_v2.json"), R, "ours_us")
-    moe = {layout: _at(_rows("moe_sharding_h200_v3.json"), R, f"{layout}_us")
+    moe = {layout: _at(_rows("moe_sharding_h200_v4.json"), R, f"{layout}_us")
            for layout in ("row_shard", "sharded", "kimi")}
     ex = [r for r in _rows("moe_experts_h200_v1.json") if r["experts"] == 112 and r["rows"] == R]
     per_expert = ex[0]["ours_us"] / ex[0]["active_experts"]

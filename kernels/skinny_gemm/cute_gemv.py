@@ -541,7 +541,7 @@ def _sigmoid(v: Float32) -> Float32:
 
 
 # rows -> the best ``MoEInGemv`` configuration (with the expert choice) of the H200 sweep at
-# K3 shapes, G = 8 (benchmarks/moe_sharding.py --sweep, docs/results/moe_sharding_h200_v3_sweep.json)
+# K3 shapes, G = 8 (benchmarks/moe_sharding.py --sweep, docs/results/moe_sharding_h200_v4_sweep.json)
 TUNED_MOE_IN = {1: Config(2, 8, 2, 2), 2: Config(1, 8, 2, 4), 4: Config(1, 4, 2, 4)}
 
 
