@@ -58,11 +58,11 @@ def test_split_k_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
     sig = {"x_ptr": "*fp32", "w_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*fp32", "ws_ptr": "*fp32",
            "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_acc": "i32",
            "stride_out": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "SPLIT": "constexpr",
-           "HAS_ACC": "constexpr", "DOT_F32": "constexpr"}
+           "HAS_ACC": "constexpr", "DOT_F32": "constexpr", "PDL": "constexpr"}
     cfg = tl_dot.config(8, 12288, 7168)
-    src = ASTSource(tl_dot._mm_kernel, sig, constexprs={**cfg, "HAS_ACC": False, "DOT_F32": dot_f32})
+    src = ASTSource(tl_dot._mm_kernel, sig, constexprs={**cfg, "HAS_ACC": False, "DOT_F32": dot_f32, "PDL": True})
     ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-    assert ("tf32" in ptx) != dot_f32
+    assert ("tf32" in ptx) != dot_f32 and "griddepcontrol.wait" in ptx
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")

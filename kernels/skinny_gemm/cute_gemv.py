@@ -33,6 +33,10 @@ Fused neighbours (``Fusion``), each one launch instead of two:
   I + n, so each output's two dot products meet in one lane, which rounds them to bf16
   (stock's GEMM output), applies SiTU in fp32 and rounds once more (stock's points).
 
+On SM90+ the GEMV launches with programmatic dependent launch (``common.pdl``): its CTAs
+may be scheduled while the kernel before it still runs and wait for it in ``pdl_wait``,
+so a CUDA graph of decode kernels loses no launch gap at a GEMV.
+
 Constraints (checked by ``supported``): K % (256 SPLIT) == 0, N % R == 0, 16-byte aligned
 rows.
 """
@@ -49,7 +53,7 @@ from cutlass import Float32, Int32, const_expr
 from cuda.bindings.driver import CUstream
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from ..common import SMS
+from ..common import SMS, pdl
 
 VEC = 8  # bf16 elements per 16-byte load
 WARP = 32
@@ -179,8 +183,8 @@ class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0):
-        self.rows, self.r, self.warps, self.split, self.unroll = rows, r, warps, split, unroll
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False):
+        self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
         self.eps, self.inv_k = fusion.eps or 0.0, 1.0 / max(k, 1)
@@ -196,7 +200,8 @@ class SplitKGemv:
         k = cute.size(w, mode=[1])
         load_w, load_x = _loads(self.in_dtype)
         self.kernel(x, w, gamma, acc, out, ws, counters, n, k, load_w, load_x).launch(
-            grid=[cute.ceil_div(n, self.tile), self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream)
+            grid=[cute.ceil_div(n, self.tile), self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
@@ -205,6 +210,7 @@ class SplitKGemv:
         """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
         with RMSNorm: the chunk's sum of x^2)]."""
         bx, s, _ = cute.arch.block_idx()
+        pdl_wait(self.pdl)
         if const_expr(self.split == 1):
             self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x)
         else:
@@ -411,9 +417,7 @@ class MoEInGemv:
         b1: cutlass.Constexpr = self.blocks[0] + self.blocks[1]
         tiles: cutlass.Constexpr = self.tiles[0]
         bx, _, _ = cute.arch.block_idx()
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
+        pdl_wait(self.pdl)
         if bx < b0:  # x stands in for the unused norm weight and accumulator
             smem = cutlass.memory.SmemAllocator()
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
@@ -516,6 +520,16 @@ class MoEInGemv:
 
 
 @cute.jit
+def pdl_wait(pdl: cutlass.Constexpr):
+    """First statement of a kernel launched with programmatic dependent launch (``pdl``):
+    wait until the grids it depends on have finished and their writes are visible
+    (nothing before it may touch memory), then let the next kernel be scheduled."""
+    if const_expr(pdl):
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
 def arrived_last(counters: cute.Tensor, i: Int32, count: Int32, flag: cute.Tensor):
     """Whether this CTA is the last of ``count`` to arrive at ``counters[i]`` (then the
     others' writes before their arrival are visible to it); the last resets the counter
@@ -609,13 +623,13 @@ def _fake(dtype, shape):
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN):
+                 fusion: Fusion = PLAIN, pdl: bool = False):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
-    N: the weight's rows."""
+    N: the weight's rows; ``pdl``: launched with programmatic dependent launch."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
-                        fusion, K)
+                        fusion, K, pdl=pdl)
     n_out = N // 2 if fusion.situ else N
     args = (_fake(torch.bfloat16, (M, K)), _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
             _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
@@ -639,13 +653,14 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     N = weight.shape[0]
     n_out = N // 2 if fusion.situ else N
     cfg = cfg or fused_config(M, N, K, fusion)
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, x.device.index)
+    on = bool(pdl(x.device)["PDL"])
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
         counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
-        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion), counters
+        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
     ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)

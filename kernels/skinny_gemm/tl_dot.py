@@ -5,7 +5,8 @@ each) and, when that leaves too few programs to keep every SM streaming, K is sp
 SPLIT chunks whose fp32 partials a second kernel sums in a fixed order (deterministic).
 Under ``TRITON_INTERPRET=1`` the dot runs in fp32 (the interpreter's bf16 dot is wrong), and
 so does it for fp32 operands (the fp32 model of the exact-function checks), in IEEE fp32:
-``tl.dot``'s default for fp32 is TF32, 1e-3 off at K = 7168 (docs/testing.md).
+``tl.dot``'s default for fp32 is TF32, 1e-3 off at K = 7168 (docs/testing.md). Both
+kernels launch with programmatic dependent launch on SM90+ (``common.pdl``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import INTERPRET, SMS, tl, triton
+from ..common import INTERPRET, SMS, pdl, pdl_wait, tl, triton
 
 
 def config(M: int, N: int, K: int) -> dict[str, int]:
@@ -31,7 +32,8 @@ if triton is not None:
     @triton.jit
     def _mm_kernel(x_ptr, w_ptr, acc_ptr, out_ptr, ws_ptr, M, N, K, stride_x, stride_w, stride_acc, stride_out,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr):
+                   HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BM)
@@ -59,7 +61,8 @@ if triton is not None:
 
     @triton.jit
     def _split_sum_kernel(ws_ptr, acc_ptr, out_ptr, M, N, stride_acc, stride_out,
-                          SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_ACC: tl.constexpr):
+                          SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_ACC: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < M * N
         m, n = i // N, i % N
@@ -85,11 +88,12 @@ def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     acc_arg = acc if acc is not None else out
     grid = (triton.cdiv(N, cfg["BN"]), split)
+    launch = pdl(x.device)
     _mm_kernel[grid](x, weight, acc_arg, out, ws, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0),
                      out.stride(0), HAS_ACC=acc is not None, DOT_F32=dot_f32(x.dtype), num_warps=4, num_stages=4,
-                     **cfg)
+                     **cfg, **launch)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(M * N, block),)](ws, acc_arg, out, M, N, acc_arg.stride(0), out.stride(0),
-                                                          SPLIT=split, BLOCK=block, HAS_ACC=acc is not None)
+                                                          SPLIT=split, BLOCK=block, HAS_ACC=acc is not None, **launch)
     return out

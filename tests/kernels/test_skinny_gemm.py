@@ -85,13 +85,13 @@ def test_cute_gemv_matches_torch(M, N, K, out_dtype, with_acc):
 
 
 @needs_cute
-@pytest.mark.parametrize("M, N, K", [(1, 6288, 7168), (8, 896, 7168), (4, 2304, 1536)])
-def test_cute_gemv_compiles_for_sm90a(M, N, K):
+@pytest.mark.parametrize("M, N, K, pdl", [(1, 6288, 7168, True), (8, 896, 7168, False), (4, 2304, 1536, True)])
+def test_cute_gemv_compiles_for_sm90a(M, N, K, pdl):
     from kimi_inductor.kernels.skinny_gemm import cute_gemv
 
     cfg = cute_gemv.config(M, N, K)
     assert not cute_gemv.supported(M, N, K, cfg)
-    exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a")
+    exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=pdl)
     assert exe.has_gpu_module
 
 
