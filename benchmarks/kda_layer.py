@@ -10,7 +10,7 @@ vLLM's decode core (``kda_kernel.vllm_core``: f_b GEMM, its Triton conv update, 
 recurrent decode, gated norm) and cuBLAS o_proj. vLLM's native ``_C.fused_kda_decode``
 (its CUDA build, torch 2.14) cannot run on this image.
 
-    python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4] [--vllm ROOT]
+    python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4] [--vllm ROOT] [--profile]
     python benchmarks/kda_layer.py --smoke          # CPU, tiny shapes: checks the script runs
 """
 
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
 
 from kda_kernel import vllm_core  # noqa: E402
+from step_breakdown import kernel_table  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
@@ -88,6 +89,9 @@ def main(argv=None) -> Results:
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its chain too (q = 1)")
+    p.add_argument("--profile", action="store_true",
+                   help="also list the kernels of each side per row count (take it with KIMI_INDUCTOR_PDL=0: "
+                        "an early-launched kernel's wait counts in its duration)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -144,6 +148,10 @@ def main(argv=None) -> Results:
             if vllm and q == 1:
                 row["vllm_us"] = graph_time_us(lambda i: vllm(copies[i % n], x, slots, conv, rec))
                 row["vllm_over_kimi"] = row["vllm_us"] / t_kimi
+            if args.profile:
+                row["kimi_kernels_us"] = kernel_table(lambda: kimi(copies[0], x, slots, accepted, conv, rec))
+                if vllm and q == 1:
+                    row["vllm_kernels_us"] = kernel_table(lambda: vllm(copies[0], x, slots, conv, rec))
             res.add(**row)
     if args.json:
         res.dump(args.json)

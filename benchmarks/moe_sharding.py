@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
+from step_breakdown import kernel_table  # noqa: E402
 
 from kimi_inductor.kernels import moe_projections, moe_router, skinny_gemm  # noqa: E402
 from kimi_inductor.stock.config import KimiK3Config  # noqa: E402
@@ -104,24 +105,6 @@ def kimi_layer(x, y, w, cfg, shard, shards):
     normed = rms_norm(y, w["norm"], cfg.rms_norm_eps)
     out = projections_out(h, normed, w, shard, shards, M <= moe_projections.MAX_ROWS_OUT)
     return out, z, weights, ids
-
-
-def profile(x, y, fn) -> list[dict]:
-    """The kernels of three calls of ``fn`` (CUPTI), costliest first: name and us per call."""
-    from torch.profiler import ProfilerActivity, profile as prof
-
-    with torch.no_grad():
-        fn(x, y)
-        torch.cuda.synchronize()
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(3):
-                fn(x, y)
-            torch.cuda.synchronize()
-    per = {}
-    for e in p.events():
-        if e.device_type.name == "CUDA":
-            per[e.name] = per.get(e.name, 0.0) + e.device_time / 3
-    return [dict(kernel=k[:90], us=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:12]]
 
 
 def sweep(res, x, y, w, cfg, G):
@@ -231,7 +214,7 @@ def main(argv=None) -> Results:
         if args.sweep:
             sweep(res, xs[T], ys[T], w, cfg, G)
         if args.profile:
-            res.add(rows=T, kimi_kernels_us=profile(xs[T], ys[T], kimi), echo=False)
+            res.add(rows=T, kimi_kernels_us=kernel_table(lambda: kimi(xs[T], ys[T])), echo=False)
             print(T, res.rows[-1]["kimi_kernels_us"], flush=True)
     if args.json:
         res.dump(args.json)

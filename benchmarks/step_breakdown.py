@@ -55,6 +55,15 @@ def profile_kernels(fn, calls: int = 3) -> list[tuple[str, float]]:
     return [(e["name"], float(e["dur"])) for e in kernels]
 
 
+def kernel_table(fn, calls: int = 3, top: int = 12) -> list[dict]:
+    """The kernels of ``calls`` calls of ``fn``, costliest first: name and microseconds per
+    call (``top`` of them)."""
+    per: dict[str, float] = {}
+    for name, us in profile_kernels(fn, calls):
+        per[name] = per.get(name, 0.0) + us / calls
+    return [dict(kernel=k[:90], us=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
+
+
 def attribute(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], calls: int):
     """(part, kernel name, microseconds) of each kernel of ``calls`` steps of a decoder
     whose layers are ``layers`` [(attention kind, "moe" | "dense")]; ValueError when the

@@ -26,14 +26,18 @@ except ImportError:  # CPU machines without Triton use the references
 bf16_round = pdl_wait = None
 
 
+def pdl_allowed() -> bool:
+    """Whether decode kernels may launch with PDL where the GPU has it:
+    ``KIMI_INDUCTOR_PDL=0`` turns it off everywhere (to measure what it gives)."""
+    return os.environ.get("KIMI_INDUCTOR_PDL", "1") != "0"
+
+
 @functools.lru_cache
 def pdl(device) -> dict:
     """Launch options for a decode kernel on ``device``: on SM90+ GPUs programmatic
     dependent launch (the kernel may be scheduled while the one before it in the stream
-    or CUDA graph still runs, and waits in ``pdl_wait`` for its results), else none.
-    ``KIMI_INDUCTOR_PDL=0`` turns it off (to measure what it gives)."""
-    on = (triton is not None and not INTERPRET and device.type == "cuda"
-          and os.environ.get("KIMI_INDUCTOR_PDL", "1") != "0")
+    or CUDA graph still runs, and waits in ``pdl_wait`` for its results), else none."""
+    on = triton is not None and not INTERPRET and device.type == "cuda" and pdl_allowed()
     on = on and torch.cuda.get_device_capability(device)[0] >= 9
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 

@@ -59,6 +59,16 @@ def _match_error(err: BaseException) -> MatchError | None:
     return None
 
 
+def _inductor_pdl() -> dict:
+    """Inductor's own Triton kernels launch with programmatic dependent launch as ours do
+    (its codegen takes it on SM90+ CUDA only): the small kernels between our ops then
+    lose no launch gap either. Each waits before its first dependent read and lets the
+    next kernel start only after that, like ``kernels.common.pdl_wait``."""
+    from .kernels.common import pdl_allowed
+
+    return {"triton.enable_pdl": True} if pdl_allowed() and hasattr(torch._inductor.config.triton, "enable_pdl") else {}
+
+
 class KimiSpecialized:
     """A backend object; ``reports`` holds one ``MatchReport`` per compiled graph."""
 
@@ -82,7 +92,7 @@ class KimiSpecialized:
         report = MatchReport(graph=len(self.reports))
         passes = KimiPasses(self.options, report, self.observer)
         key = _report_key(gm, example_inputs, passes)
-        patches = {"post_grad_custom_post_pass": passes}
+        patches = {"post_grad_custom_post_pass": passes, **_inductor_pdl()}
         try:
             if self.options.compiler == "eager":  # nothing for AOTAutograd's cache to keep: no output code
                 with torch._functorch.config.patch(enable_autograd_cache=False):

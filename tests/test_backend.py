@@ -129,6 +129,18 @@ def test_torch_compile_refuses_bad_options_before_the_first_call():
     assert "refused: passes must be a list, e.g. ['mega_moe'], got str 'mega_moe'" in proc.stdout
 
 
+def test_inductor_kernels_take_pdl_unless_turned_off(monkeypatch):
+    """Inductor's generated kernels launch with PDL beside ours (its codegen applies it on
+    SM90+ CUDA only); KIMI_INDUCTOR_PDL=0 turns both off."""
+    from kimi_inductor.backend import _inductor_pdl
+
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no PDL code generation")
+    assert _inductor_pdl() == {"triton.enable_pdl": True}
+    monkeypatch.setenv("KIMI_INDUCTOR_PDL", "0")
+    assert _inductor_pdl() == {}
+
+
 def test_pass_uuid_covers_options():
     a = KimiPasses(Options.from_mapping({}), MatchReport())
     b = KimiPasses(Options.from_mapping({"decode": {"tp": 2}}), MatchReport())
