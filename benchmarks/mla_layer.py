@@ -24,6 +24,7 @@ from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
+from step_breakdown import kernel_table  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
@@ -48,6 +49,8 @@ def main(argv=None) -> Results:
     p.add_argument("--kind", choices=["mla", "dsa"], default="mla")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
+    p.add_argument("--profile", action="store_true",
+                   help="also list kimi_specialized's kernels per row count (take it with KIMI_INDUCTOR_PDL=0)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -102,6 +105,9 @@ def main(argv=None) -> Results:
             fl = floor_us(weight_bytes + cache_bytes + 2 * rows * config.hidden_size * 2)
             res.add(q=q, rows=rows, context=context, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
                     kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
+            if args.profile:
+                res.rows[-1]["kimi_kernels_us"] = kernel_table(
+                    lambda: kimi(copies[0], x, slots, table, seq_lens, caches[0]), top=24)
     if args.json:
         res.dump(args.json)
     return res
