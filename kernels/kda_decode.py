@@ -14,7 +14,10 @@ S [V, K] in registers (D = 128, one V block: 128 values per thread at 4 warps). 
 one dot (rounded to bf16 as stock's GEMM output), then per token: conv (4 taps) -> SiLU
 -> bf16, L2-normalised q/k, gate, beta, decay / correction / rank-1 update / readout, the
 state written to that token's slot, bf16 output -> RMSNorm * w * sigmoid(g2). Padding
-requests (first slot <= 0) store zeros and touch no state.
+requests (first slot <= 0) store zeros and touch no state. mixed_qkv, f_a, g2 and beta are
+read through their row strides: the op takes any layout (``flexible_layout``), so Inductor
+hands it the in-projection's column slices as views, not copies (with its row padding,
+the output's stride is not the slices' FX stride).
 
 V split (``v_split``: NV = 4 blocks when few requests leave SMs idle): every program
 of a head recomputes q, k, the gate and g1 (cheap) and owns BV = D / NV rows of S and the
@@ -214,7 +217,8 @@ def _fake(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, nor
     return g2.new_empty(g2.shape)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::kda_decode", mutates_args=("conv_state", "recurrent_state"))
+@torch.library.custom_op(f"{NAMESPACE}::kda_decode", mutates_args=("conv_state", "recurrent_state"),
+                         tags=(torch.Tag.flexible_layout,))
 def kda_decode(
     mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor, recurrent_state: Tensor,
@@ -229,7 +233,9 @@ def kda_decode(
                          conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
     R, Q = state_slots.shape
     assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
-    out = torch.empty_like(g2)
+    mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
+    f_b_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (f_b_weight, A_log, dt_bias, norm_weight))
+    out = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
     nv = v_split(R, H)
     _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
@@ -299,7 +305,7 @@ def _fake_paged(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bia
     return g2.new_empty(g2.shape)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::kda_decode_paged", mutates_args=("page",))
+@torch.library.custom_op(f"{NAMESPACE}::kda_decode_paged", mutates_args=("page",), tags=(torch.Tag.flexible_layout,))
 def kda_decode_paged(
     mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, page: Tensor, conv_start: int, state_len: int,

@@ -17,7 +17,12 @@ request) against a chunk of the request's positions:
   with two ``tl.dot`` (latent and rope parts), applies the causal mask of each query
   token, keeps an online softmax (max m, sum l) and accumulates P V in fp32 [BM, L];
   writes (acc, m, l) per split. ``_combine_kernel`` merges the splits with their
-  log-sum-exp weights and rounds once to bf16.
+  log-sum-exp weights and rounds once to bf16: a program per (row, L block) loads every
+  split's partial at once ([SPLITS, BL]), so its latency does not grow with the splits.
+
+Before them ``_insert_kernel`` (``insert``) writes the step's rows into the cache: one
+program per token stores [kv_c | k_pe] at its slot, in place of the cat and the indexed
+write stock's reference runs as separate ATen kernels.
 
 SPLITS is chosen on the host from static sizes only (request count, the block table's
 capacity), so the op is capturable in CUDA graphs. Rounding: P is rounded to bf16 for
@@ -47,9 +52,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kimi_inductor.stock import dcp
 from kimi_inductor.stock.library import REFERENCES
-from kimi_inductor.stock.mla import write_cache
 from kimi_inductor.stock.state import tokens_per_request
 
 from .common import INTERPRET, SMS, pdl, pdl_wait, bf16_round, tl, triton
@@ -148,26 +151,66 @@ if triton is not None:
         tl.store(ml_ptr + (split * nrows + out_rows) * 2 + 1, l, mask=rmask)
 
     @triton.jit
-    def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lse_ptr, nrows, n_split, L: tl.constexpr,
-                        WITH_LSE: tl.constexpr, PDL: tl.constexpr):
+    def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lse_ptr, nrows, n_split, L: tl.constexpr, BL: tl.constexpr,
+                        SP: tl.constexpr, WITH_LSE: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, L block): the splits' partials [SP, BL] loaded at once (no loop
+        over splits), merged with their log-sum-exp weights; one rounding."""
         pdl_wait(PDL)
         row = tl.program_id(0)
-        dl = tl.arange(0, L)
-        top = tl.load(ml_ptr + row * 2)  # split 0; runtime loops: no unrolling over splits
-        for s in range(1, n_split):
-            top = tl.maximum(top, tl.load(ml_ptr + (s * nrows + row) * 2))
+        dl = tl.program_id(1) * BL + tl.arange(0, BL)
+        s = tl.arange(0, SP)
+        live = s < n_split
+        at = s * nrows + row
+        m = tl.load(ml_ptr + at * 2, mask=live, other=float("-inf"))
+        top = tl.max(m, 0)
         top = tl.where(top == float("-inf"), 0.0, top)
-        num = tl.zeros([L], dtype=tl.float32)
-        den = tl.zeros([L], dtype=tl.float32)  # the sum of weights, kept as a vector: one loop-carried type
-        for s in range(n_split):
-            w = tl.exp(tl.load(ml_ptr + (s * nrows + row) * 2) - top)
-            den += w * tl.load(ml_ptr + (s * nrows + row) * 2 + 1)
-            num += w * tl.load(acc_ptr + (s * nrows + row).to(tl.int64) * L + dl)
+        w = tl.exp(m - top)  # 0 for empty splits
+        den = tl.sum(w * tl.load(ml_ptr + at * 2 + 1, mask=live, other=0.0), 0)
+        part = tl.load(acc_ptr + at[:, None].to(tl.int64) * L + dl[None, :], mask=live[:, None], other=0.0)
+        num = tl.sum(w[:, None] * part, 0)
         out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
         tl.store(out_ptr + row.to(tl.int64) * L + dl, out.to(out_ptr.dtype.element_ty))
         if WITH_LSE:
-            total = tl.max(den, 0)
-            tl.store(lse_ptr + row, tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
+            if tl.program_id(1) == 0:
+                tl.store(lse_ptr + row, tl.where(den > 0, top + tl.log(tl.where(den > 0, den, 1.0)), float("-inf")))
+
+    @triton.jit
+    def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, block_local, dcp_rank, dcp_size,
+                       A: tl.constexpr, B: tl.constexpr, AP: tl.constexpr, BP: tl.constexpr, ROW: tl.constexpr,
+                       PDL: tl.constexpr):
+        """Program t: token t's row [a | b] (A + B values) stored at its slot of the paged
+        cache [blocks, block_local, ROW]; under DCP (``dcp_size`` > 1) global slot ->
+        this rank's slot (``stock.dcp.local_slots``), other ranks' positions skipped, as are
+        slots < 0."""
+        pdl_wait(PDL)
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        virtual = block_local * dcp_size
+        offset = slot % virtual
+        if (slot >= 0) & (offset % dcp_size == dcp_rank):
+            row = cache_ptr + ((slot // virtual) * block_local + offset // dcp_size) * ROW
+            da = tl.arange(0, AP)
+            x = tl.load(a_ptr + t * stride_a + da, mask=da < A)
+            tl.store(row + da, x.to(cache_ptr.dtype.element_ty), mask=da < A)
+            if B > 0:
+                db = tl.arange(0, BP)
+                y = tl.load(b_ptr + t * stride_b + db, mask=db < B)
+                tl.store(row + A + db, y.to(cache_ptr.dtype.element_ty), mask=db < B)
+
+
+def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = None, dcp_rank: int = 0,
+           dcp_size: int = 1) -> None:
+    """``write_cache(cache, slots, cat([a, b], -1))`` in one launch: a [T, A] (and b [T, B];
+    trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP."""
+    a = a.reshape(a.shape[0], -1)
+    b = None if b is None else b.reshape(b.shape[0], -1)
+    T, A = a.shape
+    B = 0 if b is None else b.shape[1]
+    assert cache.is_contiguous() and cache.shape[-1] == A + B and a.stride(1) == 1 and (b is None or b.stride(1) == 1)
+    b = a if b is None else b
+    _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, cache.shape[1], dcp_rank, dcp_size,
+                         A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),
+                         ROW=cache.shape[-1], num_warps=1, **pdl(a.device))
 
 
 def tiles(bm: int) -> tuple[int, int]:
@@ -183,10 +226,10 @@ def row_block(rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(rows)))
 
 
-def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64) -> int:
+def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64, steps: int = 4) -> int:
     """KV splits per (request, row group): enough programs for every SM, chunks of at
-    least 4 BS positions (static sizes only: capturable)."""
-    return max(1, min(triton.cdiv(2 * SMS, requests * groups), triton.cdiv(capacity, 4 * bs), most))
+    least ``steps`` BS positions (static sizes only: capturable)."""
+    return max(1, min(triton.cdiv(2 * SMS, requests * groups), triton.cdiv(capacity, steps * bs), most))
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):
@@ -200,7 +243,7 @@ def mla_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cac
     tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode")
     if not _use_triton(ql_nope, q_pe):
         return reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
-    write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
+    insert(kv_cache, slot_mapping, kv_c, k_pe)
     return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
 
 
@@ -211,7 +254,7 @@ def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
 def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
            listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
-           most_splits: int | None = None, num_stages: int = 2):
+           most_splits: int | None = None, num_stages: int = 2, steps: int = 4):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
@@ -226,7 +269,7 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     most_splits = most_splits or tiles(bm)[1]
     groups = triton.cdiv(Q * N, bm)
     capacity = listed[0].shape[1] if listed is not None else block_table.shape[1] * block
-    n_split = splits(R, groups, capacity, bs, most_splits)
+    n_split = splits(R, groups, capacity, bs, most_splits, steps)
     chunk = triton.cdiv(triton.cdiv(capacity, n_split), bs) * bs
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
     ml = torch.empty(n_split, T * N, 2, dtype=torch.float32, device=ql_nope.device)
@@ -245,7 +288,10 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
         HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
         ROUND=ql_nope.dtype == torch.bfloat16, num_warps=max(4, bm // 4), num_stages=num_stages,
         **launch)
-    _combine_kernel[(T * N,)](acc, ml, out, lse, T * N, n_split, L=L, WITH_LSE=with_lse, **launch)
+    sp = triton.next_power_of_2(n_split)
+    bl = min(L, max(16, 4096 // sp))  # [SP, BL] partials per program: 32 fp32 values a thread at 4 warps
+    _combine_kernel[(T * N, L // bl)](acc, ml, out, lse, T * N, n_split, L=L, BL=bl, SP=sp, WITH_LSE=with_lse,
+                                      **launch)
     return (out, lse) if with_lse else out
 
 
@@ -270,8 +316,7 @@ def mla_decode_dcp(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv
             dcp_size, scale)
     if not _use_triton(ql_nope, q_pe):
         return REFERENCES[torch.ops.kimi.mla_decode_dcp.default](*args)
-    write_cache(kv_cache, dcp.local_slots(slot_mapping, kv_cache.shape[1], dcp_rank, dcp_size),
-                torch.cat([kv_c, k_pe], dim=-1))
+    insert(kv_cache, slot_mapping, kv_c, k_pe, dcp_rank, dcp_size)
     return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, dcp_rank, dcp_size, selected,
                   with_lse=True)
 
@@ -297,8 +342,8 @@ def dsa_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, index_
             block_table, seq_lens, topk, scale)
     if not _use_triton(ql_nope, q_pe):
         return REFERENCES[torch.ops.kimi.dsa_decode.default](*args)
-    write_cache(kv_cache, slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
-    write_cache(index_cache, slot_mapping, index_k)
+    insert(kv_cache, slot_mapping, kv_c, k_pe)
+    insert(index_cache, slot_mapping, index_k)
     selected = dsa_index.dsa_select(index_q, index_w, index_cache, block_table, seq_lens, topk)
     return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected.flatten(0, 1),
                   listed=dsa_index.positions(selected, topk))

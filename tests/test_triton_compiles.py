@@ -126,3 +126,22 @@ def test_moe_out_and_select_experts_kernels_compile_for_sm90():
     src = ASTSource(moe_router._select_kernel, sig, constexprs={"K": 16, "BK": 16, "BE": 1024, "RENORM": True,
                                                                 "PDL": True})
     assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+def test_mla_cache_insert_and_combine_compile_for_sm90():
+    """The MLA cache write and the splits' merge, with PDL as they launch on the H200."""
+    from kimi_inductor.kernels import mla_decode
+
+    sig = {"a_ptr": "*bf16", "stride_a": "i32", "b_ptr": "*bf16", "stride_b": "i32", "slot_ptr": "*i64",
+           "cache_ptr": "*bf16", "block_local": "i32", "dcp_rank": "i32", "dcp_size": "i32",
+           **{k: "constexpr" for k in ("A", "B", "AP", "BP", "ROW", "PDL")}}
+    src = ASTSource(mla_decode._insert_kernel, sig, constexprs={"A": 512, "B": 64, "AP": 512, "BP": 64, "ROW": 576,
+                                                                "PDL": True})
+    assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 1}).asm["ptx"]
+    sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "nrows": "i32",
+           "n_split": "i32", **{k: "constexpr" for k in ("L", "BL", "SP", "WITH_LSE", "PDL")}}
+    for sp, with_lse in ((32, False), (256, True)):
+        src = ASTSource(mla_decode._combine_kernel, sig, constexprs={"L": 512, "BL": max(16, 4096 // sp), "SP": sp,
+                                                                     "WITH_LSE": with_lse, "PDL": True})
+        assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
