@@ -35,11 +35,7 @@ Fused neighbours (``Fusion``), each one launch instead of two:
 
 On SM90+ the GEMV launches with programmatic dependent launch (``common.pdl``): its CTAs
 may be scheduled while the kernel before it still runs and wait for it in ``pdl_wait``,
-so a CUDA graph of decode kernels loses no launch gap at a GEMV. Before it waits, each
-warp pulls its weight rows into L2 with one bulk prefetch per row (the whole K chunk for
-weights up to ``PREFETCH_L2_BYTES``, else its first ``unroll`` steps): a GEMV after a
-latency-bound kernel (the KDA or MLA core before o_proj) streams its weight while that
-kernel runs and reads it from L2 once it may start.
+so a CUDA graph of decode kernels loses no launch gap at a GEMV.
 
 Constraints (checked by ``supported``): K % (256 SPLIT) == 0, N % R == 0, 16-byte aligned
 rows.
@@ -48,7 +44,6 @@ rows.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import cutlass
@@ -57,7 +52,6 @@ import torch
 from cutlass import Float32, Int32, const_expr
 from cuda.bindings.driver import CUstream
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
 from ..common import SMS, pdl
 
@@ -65,7 +59,6 @@ VEC = 8  # bf16 elements per 16-byte load
 WARP = 32
 STEP = WARP * VEC  # K elements one warp covers per step
 MAX_ROWS = 8
-PREFETCH_L2_BYTES = 24 << 20  # weights pulled into L2 whole before the PDL wait (H200: 50 MB of L2)
 DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: Float32, torch.int32: Int32}
 
 
@@ -190,9 +183,8 @@ class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, prefetch: int = 0):
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False):
         self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
-        self.prefetch = prefetch  # K elements of each weight row pulled into L2 before the PDL wait
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
         self.eps, self.inv_k = fusion.eps or 0.0, 1.0 / max(k, 1)
@@ -218,29 +210,12 @@ class SplitKGemv:
         """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
         with RMSNorm: the chunk's sum of x^2)]."""
         bx, s, _ = cute.arch.block_idx()
-        if const_expr(self.prefetch):
-            self.prefetch_rows(w, bx, s, n)
         pdl_wait(self.pdl)
         if const_expr(self.split == 1):
             self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x)
         else:
             flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
             self.split_tile(x, w, gamma, acc, out, ws, counters, bx, s, flag, load_w, load_x)
-
-    @cute.jit
-    def prefetch_rows(self, w: cute.Tensor, bx: Int32, s: Int32, n: Int32):
-        """Lane j < weight rows of each warp: one bulk L2 prefetch
-        (``cp.async.bulk.prefetch.L2``) of the first ``self.prefetch`` elements of its
-        row's K chunk. Issued before the PDL wait, so the weight streams while the kernel
-        before this one still runs. Always safe: a prefetch only warms L2, and the loads
-        after the wait read whatever was written before."""
-        lane = cute.arch.lane_idx()
-        n0 = bx * self.tile + cute.arch.warp_idx() * self.r
-        k = cute.size(w, mode=[1])
-        if lane < self.wrows and n0 < n:
-            row = n0 + lane % self.r + (lane // self.r) * (self.half if self.half else n)
-            start = w.iterator + row * k + s * (k // self.split)
-            cp_async_bulk_prefetch(start, self.prefetch * self.in_dtype.width // 8)
 
     @cute.jit
     def split_tile(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
@@ -647,29 +622,14 @@ def _fake(dtype, shape):
                                     assumed_align=16)
 
 
-def prefetch_elements(N: int, K: int, cfg: Config) -> int:
-    """K elements of each weight row the GEMV pulls into L2 before its PDL wait: the whole
-    chunk where the weight fits in ``PREFETCH_L2_BYTES``, else its first ``unroll`` warp
-    steps (a larger weight would evict its own prefetched lines before they are read)."""
-    chunk = K // cfg.split
-    return chunk if N * K * 2 <= PREFETCH_L2_BYTES else min(chunk, cfg.unroll * STEP)
-
-
-def prefetch_allowed() -> bool:
-    """``KIMI_INDUCTOR_GEMV_PREFETCH=0`` launches the GEMVs without the L2 prefetch (to
-    measure it)."""
-    return os.environ.get("KIMI_INDUCTOR_GEMV_PREFETCH", "1") != "0"
-
-
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False, prefetch: bool = False):
+                 fusion: Fusion = PLAIN, pdl: bool = False):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
-    N: the weight's rows; ``pdl``: launched with programmatic dependent launch, and with
-    ``prefetch`` its weight rows pulled into L2 before the wait (``prefetch_elements``)."""
+    N: the weight's rows; ``pdl``: launched with programmatic dependent launch."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
-                        fusion, K, pdl=pdl, prefetch=prefetch_elements(N, K, cfg) if pdl and prefetch else 0)
+                        fusion, K, pdl=pdl)
     n_out = N // 2 if fusion.situ else N
     args = (_fake(torch.bfloat16, (M, K)), _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
             _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
@@ -694,15 +654,13 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     n_out = N // 2 if fusion.situ else N
     cfg = cfg or fused_config(M, N, K, fusion)
     on = bool(pdl(x.device)["PDL"])
-    warm = on and prefetch_allowed()
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, warm, x.device.index)
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
         counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
-        _executors[key] = (compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
-                                        prefetch=warm), counters)
+        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
     ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)

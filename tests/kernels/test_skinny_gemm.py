@@ -91,7 +91,7 @@ def test_cute_gemv_compiles_for_sm90a(M, N, K, pdl):
 
     cfg = cute_gemv.config(M, N, K)
     assert not cute_gemv.supported(M, N, K, cfg)
-    exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=pdl, prefetch=pdl)
+    exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=pdl)
     assert exe.has_gpu_module
 
 
