@@ -6,7 +6,7 @@ heads over half the positions). Inside CUDA graphs, cycling over enough cache co
 stream from HBM.
 
     python benchmarks/mla_kernel.py --json mla_kernel.json
-    python benchmarks/mla_kernel.py --heads 12 --context 4096 --requests 1 8 --steps 4 2 1 --json X
+    python benchmarks/mla_kernel.py --heads 12 --context 4096 --requests 1 8 --steps 1 2 4 --json X
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(argv=None) -> Results:
     p.add_argument("--heads", type=int, nargs="+", default=[12, 24])
     p.add_argument("--context", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--requests", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--steps", type=int, nargs="+", default=[4],
+    p.add_argument("--steps", type=int, nargs="+", default=[1],
                    help="least BS steps per split (more splits at short contexts)")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -50,7 +50,7 @@ def main(argv=None) -> Results:
         qp = torch.randn(R, N, RD, device="cuda", generator=gen).bfloat16()
         row = dict(heads=N, context=context, requests=R, floor_us=floor_us(nbytes))
         for bs, most, stages, steps in sweep:
-            row[f"bs{bs}_cap{most}_st{stages}" + (f"_steps{steps}" if steps != 4 else "") + "_us"] = graph_time_us(
+            row[f"bs{bs}_cap{most}_st{stages}" + (f"_steps{steps}" if steps != 1 else "") + "_us"] = graph_time_us(
                 lambda i: M.attend(ql, qp, caches[i % copies], table, seq, 0.04, bs=bs, most_splits=most,
                                    num_stages=stages, steps=steps), calls=10, replays=5)
         best = min((v, k) for k, v in row.items() if k.startswith("bs"))

@@ -226,9 +226,11 @@ def row_block(rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(rows)))
 
 
-def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64, steps: int = 4) -> int:
+def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64, steps: int = 1) -> int:
     """KV splits per (request, row group): enough programs for every SM, chunks of at
-    least ``steps`` BS positions (static sizes only: capturable)."""
+    least ``steps`` BS positions (static sizes only: capturable). One step: at 4K
+    context and one request 128 splits took 9.3 us against 14.3 with chunks of 4 steps
+    (32 splits), the same at 8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json."""
     return max(1, min(triton.cdiv(2 * SMS, requests * groups), triton.cdiv(capacity, steps * bs), most))
 
 
@@ -254,7 +256,7 @@ def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
 def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
            listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
-           most_splits: int | None = None, num_stages: int = 2, steps: int = 4):
+           most_splits: int | None = None, num_stages: int = 2, steps: int = 1):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
