@@ -9,12 +9,20 @@ Triton's interpreter, as with ``TRITON_INTERPRET=1``), and compiled with
 inspected or compiled by ``kimi_specialized``.
 
 ``install()`` (``build`` calls it) sets the environment a CPU capture needs (``ENV``)
-and applies the shims (``SHIMS``: name -> why), process-wide and for good: use a
-process of its own (the tests spawn one per scenario) in which vLLM has not been
-imported yet. None of the shims changes vLLM's decode math: they pick the code path
-vLLM takes on CUDA where the CPU platform would take another, make CUDA-only objects
-inert, and give vLLM's compiled ``_C`` ops (absent from a CPU install) CPU
-implementations with fake (meta) kernels. Two things differ from a CUDA run and are
+and applies the shims (``SHIMS``: name -> why; ``SHIM_DEVICES``: for which device
+types), process-wide and for good: use a process of its own (the tests spawn one per
+scenario) in which vLLM has not been imported yet.
+
+``build(device="cuda")`` builds the same model with its tensors on the GPU, where
+vLLM's CUDA extension is absent or cannot load (vLLM 0.33.0's is built for torch 2.14):
+vLLM still runs on its CPU platform class, with only the shims that pick CUDA's code
+paths, its Triton kernels compiled by Triton, and stand-ins for its ``_C`` ops that run
+inside CUDA graphs (``benchmarks/vllm_stack.py``, docs/vllm.md).
+
+None of the shims changes vLLM's decode math: they pick the code path vLLM takes on
+CUDA where the CPU platform would take another, make CUDA-only objects inert, and give
+vLLM's compiled ``_C`` ops (absent from a CPU install) implementations with fake (meta)
+kernels. Two things differ from a CUDA run and are
 said where they are done: each KDA state has cache pages of its own, and MLA's output
 gate runs uncompiled (``SHIMS``).
 
@@ -49,40 +57,62 @@ import torch._inductor.config
 from torch import fx
 
 ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",  # vLLM's CPU platform
-    "CUDA_VISIBLE_DEVICES": "",
+    "VLLM_TARGET_DEVICE": "cpu",  # vLLM's CPU platform (its CUDA platform needs the _C extension: module docstring)
     "VLLM_KIMI_K3_GEMM_AR": "0",  # GEMM + all-reduce kernels are CUDA (CuTe DSL) only
     "HF_HUB_OFFLINE": "1",
 }
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}  # a CPU run: no GPU seen even where one is
 
 SHIMS: dict[str, str] = {}
+SHIM_DEVICES: dict[str, tuple[str, ...]] = {}  # name -> the device types it is installed for
 
 
-def _shim(name: str, why: str) -> Callable:
-    """Register an installer under ``name`` in ``SHIMS`` (run once by ``install``)."""
+def _shim(name: str, why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> Callable:
+    """Register an installer under ``name`` in ``SHIMS``, for the device types
+    ``devices`` (run once by ``install``)."""
     def deco(fn: Callable) -> Callable:
-        SHIMS[name] = why
-        _INSTALLERS.append(fn)
+        SHIMS[name], SHIM_DEVICES[name] = why, devices
+        _INSTALLERS.append((fn, devices))
         return fn
     return deco
 
 
-_INSTALLERS: list[Callable] = []
-_installed = False
+_INSTALLERS: list[tuple[Callable, tuple[str, ...]]] = []
+_installed: str | None = None
 
 
-def install() -> None:
-    """Apply every shim (idempotent). Call before building vLLM's model."""
+def install(device: str = "cpu") -> None:
+    """Apply the shims for ``device`` ("cpu": everything runs on the CPU, vLLM's Triton
+    kernels interpreted; "cuda": the model's tensors on the GPU, vLLM's Triton kernels
+    compiled by Triton, only the shims that pick CUDA's code paths). Idempotent; call
+    before building vLLM's model. A process serves one device type."""
     global _installed
-    if _installed:
+    kind = torch.device(device).type
+    if _installed is not None:
+        if _installed != kind:
+            raise RuntimeError(f"vllm_cpu is installed for {_installed}; this process cannot switch to {kind}")
         return
     os.environ.update(ENV)
-    for fn in _INSTALLERS:
-        fn()
-    _installed = True
+    if kind == "cpu":
+        os.environ.update(CPU_ENV)
+    elif kind != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"vllm_cpu runs vLLM's K3 on 'cpu' or on an available 'cuda' device, not {device!r}")
+    for fn, devices in _INSTALLERS:
+        if kind in devices:
+            fn()
+    _installed = kind
 
 
 # --------------------------------------------------------------------------- shims
+@_shim("vLLM custom ops on CUDA", "vLLM registers its torch custom ops (vllm::moe_forward_shared, ...) for its "
+       "platform's dispatch key, CPU on the CPU platform; with the model on CUDA they are registered for every "
+       "backend (CompositeExplicitAutograd), before any vLLM module that defines one is imported", devices=("cuda",))
+def _custom_ops_on_cuda() -> None:
+    from vllm.platforms import current_platform
+
+    type(current_platform).dispatch_key = "CompositeExplicitAutograd"
+
+
 class _InertStream:
     """``torch.cuda.Stream`` on a machine without CUDA: constructible, never used
     (the aux streams that would use it are set to None, ``vllm_k3``)."""
@@ -115,7 +145,7 @@ class _InertEvent:
 
 
 @_shim("cuda Stream/Event", "K3's layers create torch.cuda.Stream/Event objects for their aux-stream overlap at "
-       "construction; inert ones here (the overlap itself is off: aux streams are None, vllm_k3)")
+       "construction; inert ones here (the overlap itself is off: aux streams are None, vllm_k3)", devices=("cpu",))
 def _inert_cuda_streams() -> None:
     if not torch.cuda.is_available():
         torch.cuda.Stream = _InertStream
@@ -235,13 +265,17 @@ def _custom_op_collectives() -> None:
     CpuPlatform.use_custom_op_collectives = classmethod(lambda cls: True)
 
 
-@_shim("unquantized GEMM", "UnquantizedLinearMethod uses F.linear (CUDA's default_unquantized_gemm) and keeps its "
-       "weight; the CPU platform would repack weights for oneDNN / sgl-kernel extension ops and drop them")
+@_shim("unquantized GEMM", "UnquantizedLinearMethod and the vocab embedding's UnquantizedEmbeddingMethod use F.linear "
+       "(CUDA's default_unquantized_gemm) and keep their weights; the CPU platform would repack weights for oneDNN / "
+       "sgl-kernel extension ops (_C.convert_weight_packed on a host with AMX) and drop them")
 def _linear_gemm() -> None:
     from vllm.model_executor.layers import linear, utils
+    from vllm.model_executor.layers import vocab_parallel_embedding as vocab
 
-    linear.dispatch_unquantized_gemm = lambda *args, **kwargs: utils.default_unquantized_gemm
+    for module in (linear, vocab):
+        module.dispatch_unquantized_gemm = lambda *args, **kwargs: utils.default_unquantized_gemm
     linear.UnquantizedLinearMethod.process_weights_after_loading = lambda self, layer: None
+    vocab.UnquantizedEmbeddingMethod.process_weights_after_loading = lambda self, layer: None
 
 
 @_shim("MLA gate uncompiled", "vLLM wraps MLA's sigmoid output gate (_gate_sigmoid_mul) in its own torch.compile; "
@@ -276,7 +310,7 @@ def _triton_causal_conv1d() -> None:
 
 @_shim("Triton kernels interpreted", "every @triton.jit kernel launch (and nested helper call) runs in Triton's "
        "interpreter on the CPU, as TRITON_INTERPRET=1 would; the kernels stay JITFunctions, so Dynamo captures "
-       "their launches as triton_kernel_wrapper_* (with TRITON_INTERPRET=1 it would trace into them)")
+       "their launches as triton_kernel_wrapper_* (with TRITON_INTERPRET=1 it would trace into them)", devices=("cpu",))
 def _interpret_triton() -> None:
     from triton.runtime import jit
     from triton.runtime.interpreter import InterpretedFunction
@@ -302,6 +336,7 @@ def _interpret_triton() -> None:
     _interpreter_patching()
 
 
+SHIM_DEVICES["interpreter bf16 dot"] = SHIM_DEVICES["interpreter patching"] = ("cpu",)
 SHIMS["interpreter bf16 dot"] = (
     "Triton 3.6's interpreter multiplies bf16 tl.dot operands as their raw uint16 storage (garbage: vLLM's fused MoE "
     "kernel); they are widened to fp32 first (exact, as a tensor core does)")
@@ -399,7 +434,7 @@ def _interpreter_patching() -> None:
 
 
 @_shim("has_triton", "torch.utils._triton.has_triton() is True (it wants a GPU, or Triton's CPU backend), so Dynamo "
-       "captures vLLM's Triton launches as it does on CUDA")
+       "captures vLLM's Triton launches as it does on CUDA", devices=("cpu",))
 def _has_triton() -> None:
     import torch.utils._triton as triton_utils
 
@@ -421,6 +456,32 @@ def _prefill_kernel_arg_names() -> None:
                     value._kernel_arg_names  # noqa: B018  (fills the cached property)
 
 
+@_shim("vLLM's Triton launch plans", "VllmTritonJitKernel (fused_q_kv_rmsnorm's launcher) binds its inputs to the "
+       "kernel's arguments by a plan (_launch_binding_plan, functools.cache) that Dynamo traces; torch 2.11's Dynamo "
+       "on Python 3.12 fails inside it ('Read uninitialized cell', its comprehension's walrus). Plans computed by an "
+       "eager launch are kept in a dict that a compiled launch reads instead (a launch not seen eagerly computes its "
+       "plan as before)")
+def _known_launch_plans() -> None:
+    from vllm.model_executor.warmup import jit_warmup_triton_helper as helper
+
+    compute = helper._launch_binding_plan
+    if getattr(compute, "kimi_inductor", False):
+        return
+    plans: dict[tuple, Any] = {}
+
+    def launch_binding_plan(*key: tuple[str, ...]):
+        plan = plans.get(key)
+        if plan is None:
+            plan = compute(*key)
+            if not torch.compiler.is_compiling():  # a traced dict write trips Dynamo's mappingproxy check
+                plans[key] = plan
+        return plan
+
+    launch_binding_plan.kimi_inductor = True
+    helper._launch_binding_plan = launch_binding_plan
+
+
+SHIM_DEVICES["VllmTritonJitKernel arg names"] = SHIM_DEVICES["conv state layout env"] = ("cpu", "cuda")
 SHIMS["VllmTritonJitKernel arg names"] = (
     "vLLM's Triton kernel owners (fused_q_kv_rmsnorm) cache their argument names in a functools.cached_property; "
     "filled before compiling (Python 3.11's cached_property takes a lock Dynamo cannot trace)")
@@ -429,7 +490,7 @@ SHIMS["VllmTritonJitKernel arg names"] = (
 @_shim("Triton mutation analysis for sm_90", "Dynamo finds which tensors a Triton launch writes from the kernel's "
        "TTIR, which needs an active Triton driver: while it generates TTIR, a stand-in driver names H200's target "
        "(cuda, sm_90), so triton_kernel_wrapper_functional clones only what the kernel writes, as on H200 (without "
-       "it Dynamo assumes every tensor argument is written)")
+       "it Dynamo assumes every tensor argument is written)", devices=("cpu",))
 def _ttir_for_sm90() -> None:
     from torch._higher_order_ops import triton_kernel_wrap
     from triton.backends.compiler import GPUTarget
@@ -458,35 +519,47 @@ def _ttir_for_sm90() -> None:
     triton_kernel_wrap.generate_ttir = generate_ttir_sm90
 
 
-# ------------------------------------------------------- CPU stand-ins for _C ops
+# ---------------------------------------------------------- stand-ins for _C ops
 # vLLM's compiled extensions (_C, _moe_C) are absent from a CPU install of its CUDA
-# wheel. The ops K3's decode reaches are defined here under vLLM's own names and
-# schemas (so the graph spells them as vLLM does on CUDA), each with a CPU
-# implementation of what the CUDA kernel computes and a fake (meta) kernel.
+# wheel, and cannot load on a GPU whose torch is not the one the wheel was built for
+# (vLLM 0.33.0's: torch 2.14). The ops K3's decode reaches are defined here under
+# vLLM's own names and schemas (so the graph spells them as vLLM does on CUDA), each
+# with an implementation of what the CUDA kernel computes and a fake (meta) kernel.
+# Every implementation is capturable in a CUDA graph (no host synchronisation), except
+# the CPU MLA decode, which has a CUDA one of its own (vLLM's Triton MLA kernels).
 _LIBS: dict[str, torch.library.Library] = {}
 
 
-def _define(qualname: str, schema: str, impl: Callable) -> None:
+def _define(qualname: str, schema: str, impl: Callable, cuda_impl: Callable | None = None) -> None:
+    """Define ``qualname`` with ``impl`` on every device, or ``impl`` on the CPU and
+    ``cuda_impl`` on CUDA; nothing where vLLM's own extension defines it."""
     namespace, name = qualname.split("::")
     if hasattr(getattr(torch.ops, namespace), name):
         return  # vLLM's own extension is loaded
     lib = _LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
     lib.define(f"{name}{schema}")
-    lib.impl(name, impl, "CompositeExplicitAutograd")
+    if cuda_impl is None:
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+    else:
+        lib.impl(name, impl, "CPU")
+        lib.impl(name, cuda_impl, "CUDA")
     torch.library.register_fake(qualname, lambda *args, **kwargs: None, lib=lib)
 
 
 def _mla_q_concat_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, mqa_q, kv_cache, slot_mapping, block_size,
                                positions=None, cos_sin_cache=None) -> None:
     """mqa_q = [ql_nope | q_pe]; the latent [kv_c_normed | k_pe] of each row with a
-    slot (>= 0) goes into the paged cache (K3's MLA is NoPE: no rotation)."""
+    slot (>= 0) goes into the paged cache (K3's MLA is NoPE: no rotation). A row
+    without a slot rewrites row 0 of block 0 (vLLM's null block, never a request's)
+    with its own value, so the write needs no host-side selection."""
     if positions is not None or cos_sin_cache is not None:
-        raise NotImplementedError("the CPU stand-in does not apply RoPE (Kimi K3's MLA is NoPE)")
+        raise NotImplementedError("the stand-in does not apply RoPE (Kimi K3's MLA is NoPE)")
     mqa_q.copy_(torch.cat([ql_nope, q_pe], dim=-1))
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     keep = slot_mapping >= 0
-    latent = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
-    flat[slot_mapping[keep].long()] = latent[keep].to(flat.dtype)
+    rows = torch.where(keep, slot_mapping, 0).long()
+    latent = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1).to(flat.dtype)
+    flat.index_copy_(0, rows, torch.where(keep[:, None], latent, flat[rows]))
 
 
 def _mla_decode_kvcache(out, query, kv_cache, scale, block_tables, seq_lens) -> None:
@@ -504,6 +577,31 @@ def _mla_decode_kvcache(out, query, kv_cache, scale, block_tables, seq_lens) -> 
         out[b] = (probs @ keys[:, :rank]).to(out.dtype)
 
 
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def _mla_decode_kvcache_triton(out, query, kv_cache, scale, block_tables, seq_lens) -> None:
+    """The same decode on CUDA with vLLM's Triton MLA kernels, launched as vLLM's
+    TRITON_MLA backend launches them (split-KV stage 1 + stage 2, its split count for
+    the longest context the block table holds; the cache read as [blocks, page, 1,
+    L + R], its first L values the values)."""
+    from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
+    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+    B, N, L = out.shape
+    page = kv_cache.shape[-2]
+    cache = kv_cache.reshape(-1, page, 1, kv_cache.shape[-1])
+    sms = torch.cuda.get_device_properties(out.device).multi_processor_count
+    splits = _compute_num_kv_splits(block_tables.shape[1] * page, sms)
+    logits = torch.empty(B, N, splits, L + 1, dtype=torch.float32, device=out.device)
+    lse = torch.empty(B, N, dtype=out.dtype, device=out.device)
+    one = _unit_scale(out.device)
+    decode_attention_fwd(query, cache, cache[..., :L], out, lse, block_tables, seq_lens, logits, splits, scale, page,
+                         k_scale=one, v_scale=one, is_mla=True)
+
+
 def _situ_and_mul(out, x, beta, linear_beta) -> None:
     """beta tanh(gate / beta) sigmoid(gate) * up, up soft-clipped by linear_beta when > 0
     (vLLM's SituAndMul.forward_native formula, fp32)."""
@@ -517,29 +615,32 @@ def _situ_and_mul(out, x, beta, linear_beta) -> None:
 
 def _moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids, num_tokens_post_pad,
                           expert_map=None, scatter_idx=None) -> None:
-    """Group the flattened top-k slots by expert, each expert's group padded to a
-    multiple of ``block_size`` with the sentinel ``topk_ids.numel()``; ``experts_ids``
-    names each block's expert. With ``expert_map`` (EP, invalid experts ignored) slots
-    routed to other ranks' experts are left out and blocks carry local expert ids."""
+    """Group the flattened top-k slots by expert (in slot order within an expert),
+    each expert's group padded to a multiple of ``block_size`` with the sentinel
+    ``topk_ids.numel()``; ``experts_ids`` names each block's expert (-1 past the last).
+    With ``expert_map`` (EP, invalid experts ignored) slots routed to other ranks'
+    experts are left out and blocks carry local expert ids."""
     if scatter_idx is not None:
         raise NotImplementedError("scatter_idx")
+    device, E = topk_ids.device, num_experts
     flat = topk_ids.reshape(-1).long()
-    sentinel = flat.numel()
-    sorted_token_ids.fill_(sentinel)
-    experts_ids.fill_(-1)
-    pos = 0
-    for e in range(num_experts):
-        local = e if expert_map is None else int(expert_map[e])
-        if local < 0:
-            continue
-        slots = (flat == e).nonzero().reshape(-1)
-        if slots.numel() == 0:
-            continue
-        padded = -(-slots.numel() // block_size) * block_size
-        sorted_token_ids[pos:pos + slots.numel()] = slots.to(sorted_token_ids.dtype)
-        experts_ids[pos // block_size:(pos + padded) // block_size] = local
-        pos += padded
-    num_tokens_post_pad.fill_(pos)
+    n, capacity = flat.numel(), sorted_token_ids.numel()
+    local = torch.arange(E, device=device) if expert_map is None else expert_map.long()
+    expert = torch.where(local[flat] >= 0, flat, E)  # E: left out, sorts last
+    counts = torch.zeros(E + 1, dtype=torch.long, device=device).scatter_add_(0, expert, torch.ones_like(expert))[:E]
+    padded = (counts + block_size - 1) // block_size * block_size
+    ends = padded.cumsum(0)
+    order = torch.sort(expert, stable=True).indices
+    grouped = expert[order]
+    e = grouped.clamp(max=E - 1)
+    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[e]  # place within the expert's group
+    target = torch.where(grouped < E, ends[e] - padded[e] + rank, capacity)
+    slots = torch.full((capacity + 1,), n, dtype=sorted_token_ids.dtype, device=device)
+    slots.scatter_(0, target, order.to(slots.dtype))
+    sorted_token_ids.copy_(slots[:capacity])
+    block = torch.searchsorted(ends, torch.arange(experts_ids.numel(), device=device) * block_size, right=True)
+    experts_ids.copy_(torch.where(block < E, local[block.clamp(max=E - 1)], -1))
+    num_tokens_post_pad.copy_(ends[-1:])
 
 
 def _moe_sum(input, output, topk_ids=None, expert_map=None) -> None:
@@ -547,13 +648,15 @@ def _moe_sum(input, output, topk_ids=None, expert_map=None) -> None:
     whose expert lives on this rank."""
     if expert_map is not None:
         local = expert_map[topk_ids.long()] >= 0
-        input = torch.where(local[..., None], input, torch.zeros((), dtype=input.dtype))
+        input = torch.where(local[..., None], input, torch.zeros((), dtype=input.dtype, device=input.device))
     output.copy_(input.sum(dim=1).to(output.dtype))
 
 
-@_shim("_C/_moe_C stand-ins", "CPU implementations (+ fake kernels) under vLLM's names for the extension ops K3's "
-       "decode reaches: _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert, _C::mla_decode_kvcache (the CPU "
-       "MLA backend's forward_mqa kernel), _C::situ_and_mul, _moe_C::moe_align_block_size, _moe_C::moe_sum")
+@_shim("_C/_moe_C stand-ins", "implementations (+ fake kernels) under vLLM's names for the extension ops K3's decode "
+       "reaches, capturable in CUDA graphs: _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert, "
+       "_C::mla_decode_kvcache (the CPU MLA backend's forward_mqa kernel: the reference loop on the CPU, vLLM's "
+       "Triton MLA kernels on CUDA, 'MLA decode on CUDA'), _C::situ_and_mul, _moe_C::moe_align_block_size, "
+       "_moe_C::moe_sum")
 def _extension_standins() -> None:
     _define("_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert",
             "(Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) mqa_q, Tensor(b!) kv_cache, "
@@ -561,7 +664,7 @@ def _extension_standins() -> None:
             _mla_q_concat_cache_insert)
     _define("_C::mla_decode_kvcache",
             "(Tensor(a!) out, Tensor query, Tensor kv_cache, float scale, Tensor block_tables, Tensor seq_lens) -> ()",
-            _mla_decode_kvcache)
+            _mla_decode_kvcache, _mla_decode_kvcache_triton)
     _define("_C::situ_and_mul", "(Tensor(a!) out, Tensor input, float beta, float linear_beta) -> ()",
             _situ_and_mul)
     _define("_moe_C::moe_align_block_size",
@@ -570,6 +673,13 @@ def _extension_standins() -> None:
             "Tensor(d!)? maybe_scatter_idx=None) -> ()", _moe_align_block_size)
     _define("_moe_C::moe_sum", "(Tensor input, Tensor(a!) output, Tensor? topk_ids=None, Tensor? expert_map=None) -> ()",
             _moe_sum)
+
+
+SHIM_DEVICES["MLA decode on CUDA"] = ("cuda",)
+SHIMS["MLA decode on CUDA"] = (
+    "vLLM's CPU MLA backend (the one its CPU platform selects, AttentionConfig(backend=CPU_MLA) so that no AMX host "
+    "picks AMX_MLA) decodes with _C::mla_decode_kvcache; on CUDA its stand-in runs vLLM's Triton MLA decode kernels "
+    "(decode_attention_fwd, as the TRITON_MLA backend launches them; FlashMLA, H200's default, is a CUDA extension)")
 
 
 # ------------------------------------------------------------------------ checkpoint
@@ -618,11 +728,15 @@ def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None, e
 def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256):
     """A ``VllmConfig`` for the checkpoint at ``path``: TP ``tp``, PP 1, expert parallel
     on (with DP > 1 this is the layout that runs K3 sequence-parallel on H200), bf16,
-    prefix caching off, eager (vLLM compiles nothing itself; ``capture`` does). MoE
+    prefix caching off, eager (vLLM compiles nothing itself; ``capture`` does), the CPU
+    platform's MLA backend (CPU_MLA; its decode op runs vLLM's Triton MLA kernels on
+    CUDA, ``SHIMS``). The device config stays the CPU platform's even when the model
+    is built on CUDA (``build``). MoE
     backend: H200's unquantized one (triton) for bf16 experts, emulation for MXFP4 ones
     (the backend that keeps their checkpoint layout)."""
-    from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, KernelConfig, ModelConfig,
-                             ParallelConfig, VllmConfig)
+    from vllm.config import (AttentionConfig, CacheConfig, CompilationConfig, DeviceConfig, KernelConfig,
+                             ModelConfig, ParallelConfig, VllmConfig)
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     model_config = ModelConfig(model=str(path), skip_tokenizer_init=True, max_model_len=max_model_len,
                                dtype="bfloat16")
@@ -632,6 +746,7 @@ def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256):
         parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=True),
         cache_config=CacheConfig(enable_prefix_caching=False, mamba_cache_mode="none", block_size=BLOCK_SIZE),
         compilation_config=CompilationConfig(mode=0),
+        attention_config=AttentionConfig(backend=AttentionBackendEnum.CPU_MLA),  # not AMX_MLA on an AMX host
         kernel_config=KernelConfig(moe_backend="emulation" if model_config.quantization == "mxfp4" else "triton"))
 
 
@@ -713,7 +828,8 @@ def _fake_subgroups(active: bool) -> Iterator[None]:
 
 
 def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", preset: str = "tiny",
-          layers: int | None = None, seed: int = 0, experts: str = "bf16"):
+          layers: int | None = None, seed: int = 0, experts: str = "bf16", device: str = "cpu",
+          weights: tuple[Any, dict[str, torch.Tensor]] | None = None, max_model_len: int = 256):
     """``(vllm_config, model)``: vLLM's ``KimiLinearForCausalLM`` (its backbone is
     ``model.model``, a ``KimiLinearModel``) on this rank, with our replica's random
     weights for ``preset`` loaded through vLLM's ``load_weights``, and its caches bound.
@@ -722,9 +838,13 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
     while the layers are constructed, which is what makes vLLM choose SP without
     MegaMoE); otherwise plain TP. ``group``: ``"fake"`` starts a fake process group of
     ``tp`` ranks (capture only) as ``rank``; ``"gloo"`` uses the caller's world.
-    ``experts``: as ``checkpoint`` (MXFP4 ones run on vLLM's emulation MoE backend). Once
-    per process (vLLM's distributed state and layer registry are global)."""
-    install()
+    ``experts``: as ``checkpoint`` (MXFP4 ones run on vLLM's emulation MoE backend).
+    ``device``: where the model's tensors live ("cpu", or "cuda": ``install``).
+    ``weights``: ``(config, tensors)`` loaded instead of the preset's random checkpoint
+    (e.g. drawn on the GPU; only the config is written to disk, for vLLM's
+    ``ModelConfig``). ``max_model_len``: vLLM's, at least the longest context decoded.
+    Once per process (vLLM's distributed state and layer registry are global)."""
+    install(device)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -732,8 +852,17 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
     from .stock.checkpoint import load_checkpoint
     from . import vllm_k3
 
-    path = checkpoint(preset, seed, layers, experts)
-    vllm_config = vllm_config_for(path, tp)
+    tensors = None
+    if weights is None:
+        path = checkpoint(preset, seed, layers, experts)
+    else:
+        from .stock.checkpoint import save_checkpoint
+
+        config, tensors = weights
+        path = Path(tempfile.mkdtemp(prefix="kimi-vllm-config-"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        save_checkpoint(path, config.replace(**MLA_DIMS), {})
+    vllm_config = vllm_config_for(path, tp, max_model_len)
     _cuda_environment()
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, tp, rank, group, sp)
@@ -742,16 +871,18 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
         if sp and tp > 1:
             parallel.data_parallel_size = 2
         try:
-            with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+            with set_default_torch_dtype(torch.bfloat16), torch.device(device):
                 model = vllm_k3.KimiLinearForCausalLM(vllm_config=vllm_config)
         finally:
             parallel.data_parallel_size = dp
-        _, tensors = load_checkpoint(path)
+        if tensors is None:
+            _, tensors = load_checkpoint(path)
         loaded = model.load_weights(iter(tensors.items()))
         missing = {n for n, _ in model.named_parameters()} - set(loaded)
         if missing:
             raise RuntimeError(f"vLLM's load_weights left {len(missing)} parameters unloaded: {sorted(missing)[:5]}")
-        process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+        process_weights_after_loading(model, vllm_config.model_config, torch.device(device))
+    vllm_k3._drop_aux_streams(model.model)  # a CUDA build made real streams: compiled fullgraph, they run in order
     model.eval()
     return vllm_config, model
 
@@ -776,7 +907,8 @@ def _is_kda(layer: Any) -> bool:
 @dataclass
 class DecodeBatch:
     """A fixed batch of decoding requests plus CUDA-graph padding rows, stepped like
-    vLLM's runner steps it (caches start empty; prefill is out of scope).
+    vLLM's runner steps it (prefill is out of scope: the caches start empty, or at
+    ``start`` tokens of context with seeded random contents).
 
     Request r owns KDA state slot ``1 + r`` and MLA blocks ``1 + r * blocks_per_request
     ...`` (slot and block 0 are vLLM's null block); a padding row has no request: it is
@@ -788,12 +920,14 @@ class DecodeBatch:
     vocab: int
     max_context: int
     seed: int = 0
+    device: str = "cpu"
+    start: int = 0  # every request's context at the first step
     context: torch.Tensor = field(init=False)
     gen: torch.Generator = field(init=False)
     caches: dict[str, Any] = field(init=False, default_factory=dict)  # layer name -> bound cache tensor(s)
 
     def __post_init__(self) -> None:
-        self.context = torch.zeros(self.requests, dtype=torch.int64)
+        self.context = torch.full((self.requests,), self.start, dtype=torch.int64)
         self.gen = torch.Generator().manual_seed(self.seed)
 
     @property
@@ -837,39 +971,65 @@ def allocate_caches(model, vllm_config, batch: DecodeBatch) -> dict[str, Any]:
         if _is_kda(layer):  # one int8 page per state slot holding both states, bound by vLLM's code
             shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
             size = sum(prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes))
-            raw = torch.zeros(batch.num_slots, 1, 1, size, dtype=torch.int8)
+            raw = torch.zeros(batch.num_slots, 1, 1, size, dtype=torch.int8, device=batch.device)
             layer.bind_kv_cache(raw)
             caches[name] = [raw]
         else:
-            raw = torch.zeros(batch.num_blocks, 1, BLOCK_SIZE, layer.head_size, dtype=torch.bfloat16)
+            raw = torch.zeros(batch.num_blocks, 1, BLOCK_SIZE, layer.head_size, dtype=torch.bfloat16,
+                              device=batch.device)
             layer.bind_kv_cache(raw)
             caches[name] = raw
     return caches
 
 
 def decode_batch(model, vllm_config, rows: int = 3, padding: int = 1, max_context: int = 64,
-                 seed: int = 0) -> DecodeBatch:
+                 seed: int = 0, device: str = "cpu", context: int = 0) -> DecodeBatch:
     """A ``DecodeBatch`` of ``rows`` live requests and ``padding`` padding rows, with the
-    model's caches allocated and bound for it (zeroed)."""
-    batch = DecodeBatch(rows, padding, vllm_config.model_config.hf_text_config.vocab_size, max_context, seed)
+    model's caches allocated on ``device`` and bound for it: zeroed, or with ``context``
+    tokens of every request already there (``fill``)."""
+    if context >= max_context:
+        raise ValueError(f"context {context} leaves no room for a step in max_context {max_context}")
+    batch = DecodeBatch(rows, padding, vllm_config.model_config.hf_text_config.vocab_size, max_context, seed,
+                        str(device), context)
     batch.caches = allocate_caches(model, vllm_config, batch)
+    fill(vllm_config, batch)
     return batch
 
 
-def restart(batch: DecodeBatch) -> None:
+def fill(vllm_config, batch: DecodeBatch) -> None:
+    """Seeded contents for caches that hold ``batch.start`` tokens of context (nothing
+    to do at 0): every MLA latent row standard normal (bf16), every KDA conv state
+    standard normal (bf16) and recurrent state 0.1 x standard normal (fp32), each
+    written through the layer's own views of its page."""
+    if batch.start == 0:
+        return
+    gen = torch.Generator(device=batch.device).manual_seed(batch.seed + 1)
+    for name, layer in _layers(vllm_config).items():
+        for i, t in enumerate(layer.kv_cache if _is_kda(layer) else [batch.caches[name]]):
+            scale = 0.1 if _is_kda(layer) and i == 1 else 1.0
+            t.copy_((torch.randn(t.shape, generator=gen, device=batch.device) * scale).to(t.dtype))
+
+
+def restart(batch: DecodeBatch, vllm_config=None) -> None:
     """Back to the first step: caches zeroed (in place: a compiled graph keeps reading
-    the same tensors), contexts and token ids as at the start."""
+    the same tensors) and, for a batch that starts at a context, filled again as at the
+    start (``vllm_config`` needed then); contexts and token ids as at the start."""
     for cache in batch.caches.values():
         for t in cache if isinstance(cache, list) else [cache]:
             t.zero_()
+    if batch.start:
+        if vllm_config is None:
+            raise ValueError("restart of a batch with a starting context needs its vllm_config (to refill)")
+        fill(vllm_config, batch)
     batch.__post_init__()
 
 
 def next_step(vllm_config, batch: DecodeBatch) -> Step:
     """The next decode step of ``batch``: token ids (seeded), positions, and metadata from
     vLLM's own builders (``KimiK3KDAMetadataBuilder`` for KDA, the MLA backend's builder
-    for MLA) over a ``CommonAttentionMetadata`` per KV-cache group. Advances the batch
-    (every request accepts its token)."""
+    for MLA) over a ``CommonAttentionMetadata`` per KV-cache group, on the batch's device
+    (the metadata's CPU copies on the CPU). Advances the batch (every request accepts its
+    token)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
@@ -885,37 +1045,38 @@ def next_step(vllm_config, batch: DecodeBatch) -> Step:
     slots[:R] = table.long().gather(1, (ctx // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + ctx % BLOCK_SIZE
     seq_lens = (ctx + 1).int()
     qsl = torch.arange(R + 1, dtype=torch.int32)
+    dev = functools.partial(torch.Tensor.to, device=batch.device)
 
     def common(block_table: torch.Tensor, slot_mapping: torch.Tensor) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=R,
+            query_start_loc=dev(qsl), query_start_loc_cpu=qsl.clone(), seq_lens=dev(seq_lens), num_reqs=R,
             num_actual_tokens=R, max_query_len=1, max_seq_len=int(seq_lens.max()),
-            block_table_tensor=block_table, slot_mapping=slot_mapping, positions=positions[:R],
+            block_table_tensor=dev(block_table), slot_mapping=dev(slot_mapping), positions=dev(positions[:R]),
             seq_lens_cpu_upper_bound=seq_lens.clone(), is_prefilling=torch.zeros(R, dtype=torch.bool))
 
     kda_common = common((1 + live[:, None]).int(), (1 + live).long())
     mla_common = common(table, slots[:R])
     metadata, slot_mapping = {}, {}
-    for name, builder in _builders(vllm_config).items():
+    for name, builder in _builders(vllm_config, batch.device).items():
         is_kda = _is_kda(_layers(vllm_config)[name])
         metadata[name] = builder.build(0, kda_common if is_kda else mla_common)
         if not is_kda:
-            slot_mapping[name] = slots
+            slot_mapping[name] = dev(slots)
     is_padding = torch.zeros(T, dtype=torch.bool)
     is_padding[R:] = True
     batch.context = ctx + 1
-    return Step(ids, positions, metadata, slot_mapping, is_padding, R)
+    return Step(dev(ids), dev(positions), metadata, slot_mapping, dev(is_padding), R)
 
 
-def _builders(vllm_config) -> dict[str, Any]:
+def _builders(vllm_config, device: str = "cpu") -> dict[str, Any]:
     """One metadata builder per layer (vLLM builds one per KV-cache group; the metadata
-    is the same), created once per config."""
+    is the same), created once per config (for one device)."""
     cache = vllm_config.__dict__.setdefault("_kimi_cpu_builders", {})
     if not cache:
         for name, layer in _layers(vllm_config).items():
             spec = layer.get_kv_cache_spec(vllm_config)
             cls = layer.get_attn_backend().get_builder_cls()
-            cache[name] = cls(spec, [name], vllm_config, torch.device("cpu"))
+            cache[name] = cls(spec, [name], vllm_config, torch.device(device))
     return cache
 
 
