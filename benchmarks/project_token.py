@@ -3,7 +3,9 @@ item 2). CPU only: reads the committed H200 results, prints the arithmetic.
 
 Per rank and layer, at R rows (q = 1):
 
-    attention   KDA or MLA layer step (``kda_layer_q1_h200_v6``, ``mla_layer_h200_v2`` / ``_v1``)
+    attention   KDA or MLA layer step as main runs it (PDL on every kernel, no L2 prefetch:
+                ``kda_layer_q1_h200_v10_noprefetch`` / ``_v10``, ``mla_layer_h200_v6_noprefetch``
+                / ``_v6``; the prefetch only touched the CuTe GEMVs of 1-2 rows)
     AttnRes     2 fused calls (``attn_res_h200_v2``: the median over 1-7 saved blocks)
     MoE         non-expert work (``moe_sharding_h200_v4``, one run): the row shard, the
                 sharded layer as Inductor compiles it, or as lower_kernels runs it
@@ -56,6 +58,16 @@ def _at(rows: list[dict], R: int, key: str, **match) -> float:
     return statistics.median(vals)
 
 
+def _first(R: int, key: str, *names: str, **match) -> float:
+    """``_at`` in the first of ``names`` that has R rows."""
+    for name in names:
+        try:
+            return _at(_rows(name), R, key, **match)
+        except KeyError:
+            pass
+    raise KeyError(f"no {key} at {R} rows in {names}")
+
+
 def slowest_rank_experts(R: int, experts: int = 896, top_k: int = 16, ranks: int = 8, trials: int = 2000) -> float:
     g = torch.Generator().manual_seed(0)
     per = experts // ranks
@@ -66,11 +78,8 @@ def slowest_rank_experts(R: int, experts: int = 896, top_k: int = 16, ranks: int
 
 
 def project(R: int) -> dict:
-    kda = _at(_rows("kda_layer_q1_h200_v6.json"), R, "kimi_us", q=1)
-    try:
-        mla = _at(_rows("mla_layer_h200_v2.json"), R, "kimi_us", q=1)
-    except KeyError:
-        mla = _at(_rows("mla_layer_h200_v1.json"), R, "kimi_us", q=1)
+    kda = _first(R, "kimi_us", "kda_layer_q1_h200_v10_noprefetch.json", "kda_layer_q1_h200_v10.json", q=1)
+    mla = _first(R, "kimi_us", "mla_layer_h200_v6_noprefetch.json", "mla_layer_h200_v6.json", q=1)
     attn_res = 2 * _at(_rows("attn_res_h200_v2.json"), R, "ours_us")
     moe = {layout: _at(_rows("moe_sharding_h200_v4.json"), R, f"{layout}_us")
            for layout in ("row_shard", "sharded", "kimi")}
