@@ -202,11 +202,11 @@ def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = No
            dcp_size: int = 1) -> None:
     """``write_cache(cache, slots, cat([a, b], -1))`` in one launch: a [T, A] (and b [T, B];
     trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP."""
-    a = a.reshape(a.shape[0], -1)
-    b = None if b is None else b.reshape(b.shape[0], -1)
+    a, b = ((t.reshape(t.shape[0], -1) if t.stride(-1) == 1 else t.reshape(t.shape[0], -1).contiguous())
+            if t is not None else None for t in (a, b))
     T, A = a.shape
     B = 0 if b is None else b.shape[1]
-    assert cache.is_contiguous() and cache.shape[-1] == A + B and a.stride(1) == 1 and (b is None or b.stride(1) == 1)
+    assert cache.is_contiguous() and cache.shape[-1] == A + B
     b = a if b is None else b
     _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, cache.shape[1], dcp_rank, dcp_size,
                          A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),

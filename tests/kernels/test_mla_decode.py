@@ -104,3 +104,21 @@ def test_dsa_matches_stock(N, L, RD, block, per_req, R, q):
     assert torch.equal(mine[7], cache) and torch.equal(mine[8], index_cache)
     bound = 2**-6 * want.float().abs().amax(-1, keepdim=True) + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda" and not M.INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+def test_insert_takes_views_as_vllm_hands_them():
+    """The cache write from a strided kv_c and a [T, 1, R] k_pe view (vLLM's MLA spelling)
+    equals stock's ``write_cache`` of their concatenation; slot -1 is not written."""
+    from kimi_inductor.stock.mla import write_cache
+
+    g = torch.Generator().manual_seed(0)
+    T, L, RD, block = 5, 32, 8, 4
+    kv_a = torch.randn(T, L + RD + 16, generator=g).bfloat16().to(DEVICE)  # [kv_c | k_pe | more] rows
+    kv_c, k_pe = kv_a[:, :L], kv_a[:, L:L + RD].unsqueeze(1)
+    slots = torch.tensor([3, 17, -1, 0, 9], device=DEVICE)
+    cache = torch.randn(6, block, L + RD, generator=g).bfloat16().to(DEVICE)
+    want = cache.clone()
+    write_cache(want, slots, torch.cat([kv_c, k_pe[:, 0]], dim=-1))
+    M.insert(cache, slots, kv_c, k_pe)
+    assert torch.equal(cache, want)
