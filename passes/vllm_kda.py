@@ -153,8 +153,9 @@ def bind(rec_node: fx.Node) -> KdaGroup | str:
 
 
 def _norm_after(rec: TritonCall) -> TritonCall | str:
-    """The gated RMSNorm launch that reads the recurrence's output rows."""
-    out, seen = rec.output("out"), set()
+    """The gated RMSNorm launch that reads the recurrence's output rows (through views
+    and scatters into the [T, H, D] buffer); else why not, naming where the path ends."""
+    out, seen, ends = rec.output("out"), set(), set()
     frontier = [out] if out is not None else []
     while frontier:
         node = frontier.pop()
@@ -167,7 +168,11 @@ def _norm_after(rec: TritonCall) -> TritonCall | str:
                     aten.select.int, aten.slice_scatter.default, aten.select_scatter.default, aten.view.default):
                 seen.add(user)
                 frontier.append(user)
-    return "no gated RMSNorm reads its output"
+            elif user not in seen:
+                ends.add(call.name.rsplit(".", 1)[-1] if call is not None else str(user.target))
+    if out is None:
+        return "the recurrence's output is not read"
+    return f"no gated RMSNorm reads its output (its path ends at {', '.join(sorted(ends)) or 'nothing'})"
 
 
 def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:

@@ -103,3 +103,45 @@ def test_fused_ops_compute_stock_on_cpu():
     assert torch.equal(torch.ops.kimi_kernels.rms_norm_mm(x, nw, 1e-5, w, acc, torch.bfloat16),
                        torch.addmm(acc, rms_norm(x, nw, 1e-5), w.t()))
     assert torch.equal(torch.ops.kimi_kernels.mm_situ(x, w, 4.0, 25.0), situ_and_mul(x @ w.t(), 4.0, 25.0))
+
+
+def test_vllm_kda_group_without_its_gated_norm_says_where_the_path_ends():
+    """vLLM's KDA recurrence whose output reaches the gated norm only through an op the
+    matcher does not follow (here a clone): the group is kept, and the reason names the
+    op, so a graph spelled differently (e.g. on another device) is diagnosable from the
+    report alone."""
+    import operator
+
+    from torch import fx
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+
+    from kimi_inductor.passes import vllm_kda
+    from kimi_inductor.passes.graph import TritonCall
+
+    def kernel(name):  # a stand-in for the jitted kernel: only its module and name are read
+        def fn():
+            pass
+        fn.__module__, _, fn.__name__ = name.rpartition(".")
+        return fn
+
+    def launch(g, name, **tensors):
+        kwargs = dict(kernel_idx=kernel_side_table.add_kernel(kernel(name)),
+                      constant_args_idx=kernel_side_table.add_constant_args(dict(vllm_kda.NORM_FLAGS)),
+                      grid=[(1, 1, 1)], tma_descriptor_metadata={}, kwargs=tensors, tensors_to_clone=list(tensors))
+        return g.call_function(triton_kernel_wrapper_functional, (), kwargs)
+
+    def graph(through_clone):
+        g = fx.Graph()
+        buf = g.placeholder("buf")
+        rec = launch(g, vllm_kda.REC, out=buf)
+        out = g.call_function(operator.getitem, (rec, "out"))
+        x = g.call_function(torch.ops.aten.view.default, (out, [-1, 16]))
+        if through_clone:
+            x = g.call_function(torch.ops.aten.clone.default, (x,))
+        norm = launch(g, vllm_kda.NORM, x=x, y=x)
+        g.output(g.call_function(operator.getitem, (norm, "y")))
+        return TritonCall(rec)
+
+    assert isinstance(vllm_kda._norm_after(graph(False)), TritonCall)
+    reason = vllm_kda._norm_after(graph(True))
+    assert reason == "no gated RMSNorm reads its output (its path ends at aten.clone.default)", reason
