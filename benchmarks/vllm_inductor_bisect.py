@@ -7,7 +7,10 @@ from the same cache state, each compared with eager on its output (relative erro
 live rows) and on every cache tensor it wrote (relative error; for the int8 KDA pages,
 the fraction of bytes that differ). Backends: Inductor with config variants, and
 ``aot_eager_decomp_partition`` / ``aot_eager`` (the same decomposed graph without code
-generation). Run on the GPU as ``benchmarks/vllm_stack.py`` is (docs/vllm.md);
+generation). First, on CUDA, the page spelling alone (``page_spelling``): a Triton
+kernel mutating ``page[:, 64:128].view(bf16).view(8, 4, 8)`` of an int8 page, eager
+against Inductor (on the CPU a custom op through the same spelling is miscompiled,
+docs/vllm.md). Run on the GPU as ``benchmarks/vllm_stack.py`` is (docs/vllm.md);
 ``DEV=cpu CTX=20 ONLY=aot_eager`` checks the script on a CPU."""
 
 from __future__ import annotations
@@ -35,8 +38,40 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def page_spelling() -> None:
+    """Inductor vs eager on a Triton kernel that mutates a reshaped dtype view of a byte
+    slice of an int8 page, as vLLM's KDA kernels take their states."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def halve(ptr, stride_s, stride_r, N: tl.constexpr, R: tl.constexpr):
+        s = tl.program_id(0)
+        offs = tl.arange(0, R)[:, None] * stride_r + tl.arange(0, N)[None, :]
+        x = tl.load(ptr + s * stride_s + offs)
+        tl.store(ptr + s * stride_s + offs, x * 0.5)
+
+    def f(page):
+        state = page[:, 64:128].view(torch.bfloat16).view(8, 4, 8)
+        halve[(8,)](state, state.stride(0), state.stride(1), N=8, R=4)
+        return page.float().sum()
+
+    page = torch.randint(-100, 100, (8, 128), dtype=torch.int8, device="cuda")
+    eager, compiled = page.clone(), page.clone()
+    f(eager)
+    torch.compile(f, backend="inductor", fullgraph=True)(compiled)
+    torch.cuda.synchronize()
+    print("page spelling, Triton launch: bytes differing", int((eager != compiled).sum()), "of", page.numel(),
+          flush=True)
+
+
 def main() -> None:
     device, context = os.environ.get("DEV", "cuda"), int(os.environ.get("CTX", "1024"))
+    if device == "cuda":
+        try:
+            page_spelling()
+        except Exception:  # noqa: BLE001  (the model comparison still runs)
+            traceback.print_exc()
     cfg, model = vllm_cpu.build(tp=1, sp=False, layers=5, device=device, max_model_len=context + 64)
     batch = vllm_cpu.decode_batch(model, cfg, ROWS, 1, max_context=context + 16, device=device, context=context)
     step = vllm_cpu.next_step(cfg, batch)
