@@ -49,7 +49,7 @@ def page_spelling() -> None:
         s = tl.program_id(0)
         offs = tl.arange(0, R)[:, None] * stride_r + tl.arange(0, N)[None, :]
         x = tl.load(ptr + s * stride_s + offs)
-        tl.store(ptr + s * stride_s + offs, x * 0.5)
+        tl.store(ptr + s * stride_s + offs, (x.to(tl.float32) * 0.5).to(x.dtype))
 
     def f(page):
         state = page[:, 64:128].view(torch.bfloat16).view(8, 4, 8)
