@@ -92,7 +92,9 @@ class KimiSpecialized:
         report = MatchReport(graph=len(self.reports))
         passes = KimiPasses(self.options, report, self.observer)
         key = _report_key(gm, example_inputs, passes)
-        patches = {"post_grad_custom_post_pass": passes, **_inductor_pdl()}
+        # shape_padding off: Inductor's pad_mm (CUDA, chosen by benchmark) re-spells a GEMM as
+        # slice(mm(pad(x), pad(W))), which hides it from the passes (a vLLM KDA group's f_b)
+        patches = {"post_grad_custom_post_pass": passes, "shape_padding": False, **_inductor_pdl()}
         try:
             if self.options.compiler == "eager":  # nothing for AOTAutograd's cache to keep: no output code
                 with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -148,10 +150,13 @@ def _load_report(key: str, graph: int) -> MatchReport:
 
 
 def _eager_inner(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-    """Inductor's post-grad pipeline (with our passes), then run the graph eagerly."""
+    """Inductor's post-grad pipeline (with our passes), then run the graph eagerly. As in
+    Inductor's own compile, views are spelled as reshapes first (``view_to_reshape``), so
+    the passes see the graph they see under Inductor."""
     from torch._functorch.aot_autograd import make_boxed_func
-    from torch._inductor.fx_passes.post_grad import post_grad_passes
+    from torch._inductor.fx_passes.post_grad import post_grad_passes, view_to_reshape
 
+    view_to_reshape(gm)
     post_grad_passes(gm, kwargs.get("is_inference", True))
     gm.recompile()
     return make_boxed_func(gm.forward)

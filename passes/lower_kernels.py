@@ -62,7 +62,7 @@ from kimi_inductor.kernels import skinny_gemm
 from . import moe_projections, moe_router, roles, vllm_kda, vllm_mla
 from .decoder import _between
 from .gemm_neighbours import match_gemm, rms_norm_of, situ_of
-from .graph import OpCall, TritonCall
+from .graph import OpCall, TritonCall, op_name
 from .report import PassInfo
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -109,7 +109,7 @@ class LowerKernels:
             else:
                 why, gemm = kda_kernel.supported(group.conv_width, group.head_dim), match_gemm(group.g1)
                 if not why and (gemm is None or gemm[2] is not None):
-                    why = "its g1 is not a plain f_b GEMM"
+                    why = f"its g1 is not a plain f_b GEMM (it is {op_name(group.g1)})"
             if why:
                 kept[f"KDA core ({core.spelling}): {why}"] += 1
                 continue

@@ -21,7 +21,7 @@ and produces::
 
     new  = auto_functionalized_v2(kimi_kernels.kda_decode_paged, mixed_qkv, f_a[:R], W_fb,
                g2[:R], beta[:R], W_conv [3P, 1, 4], A_log, dt_bias, w, page=page0, c0,
-               state_len, r0, slots[:, None], ones_like(slots), lower_bound, eps)
+               state_len, r0, slots[:, None], ones [R], lower_bound, eps)
     y    -> view(slice_scatter(zeros [T, P], new[0], rows :R), [T H, D]);  page2 -> new[1]
 
 Every constant and layout above is checked; a group that differs is kept and ``bind``
@@ -69,8 +69,14 @@ class KdaGroup:
     g1: fx.Node  # the f_b GEMM's output [T, P]
 
 
+# Inductor spells every view as a reshape before its post-grad passes (``view_to_reshape``)
+_VIEW = (aten.view.default, aten.reshape.default)
+
+
 def _is(node: Any, target) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+    """``node`` calls ``target`` (``aten.view.default``: a view or Inductor's reshape of it)."""
+    targets = _VIEW if target is aten.view.default else (target,)
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _through(node: Any, *targets) -> Any:
@@ -90,7 +96,7 @@ def _write_back(state: fx.Node | None) -> fx.Node | None:
         node = next(iter(node.users))
         if _is(node, aten.slice_scatter.default):
             return node
-        if node.target not in (aten.permute.default, aten.view.default, aten.view.dtype):
+        if node.target not in (aten.permute.default, *_VIEW, aten.view.dtype):
             return None
     return None
 
@@ -165,7 +171,7 @@ def _norm_after(rec: TritonCall) -> TritonCall | str:
                 bad = {k: call.arg(k) for k, v in NORM_FLAGS.items() if call.arg(k) != v}
                 return call if not bad else f"gated norm flags {bad} (ours: sigmoid-gated RMSNorm with a weight)"
             if user not in seen and user.op == "call_function" and user.target in (
-                    aten.select.int, aten.slice_scatter.default, aten.select_scatter.default, aten.view.default):
+                    aten.select.int, aten.slice_scatter.default, aten.select_scatter.default, *_VIEW):
                 seen.add(user)
                 frontier.append(user)
             elif user not in seen:
@@ -173,6 +179,14 @@ def _norm_after(rec: TritonCall) -> TritonCall | str:
     if out is None:
         return "the recurrence's output is not read"
     return f"no gated RMSNorm reads its output (its path ends at {', '.join(sorted(ends)) or 'nothing'})"
+
+
+def _full(g: fx.Graph, size: list, value, like: fx.Node) -> fx.Node:
+    """``aten.full`` with ``like``'s dtype and device: the spelling a post-grad graph has
+    (``*_like`` factories are decomposed before it; Inductor 2.11 cannot lower them)."""
+    val = like.meta["val"]
+    return g.call_function(aten.full.default, (size, value), dict(dtype=val.dtype, device=val.device,
+                                                                   pin_memory=False))
 
 
 def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
@@ -196,13 +210,20 @@ def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
                       conv_weight=conv_weight, A_log=a["A_log"], dt_bias=a["dt_bias"], norm_weight=a["norm_weight"],
                       conv_start=group.conv_start, state_len=group.state_len, rec_start=group.rec_start,
                       state_slots=g.call_function(aten.unsqueeze.default, (slots, 1)),
-                      num_accepted=g.call_function(aten.ones_like.default, (slots,)),
+                      num_accepted=_full(g, [R], 1, slots),
                       lower_bound=a["lower_bound"], norm_eps=a["norm_eps"], _page_base_index=0,
                       _all_bases=[group.page])
         new = g.call_function(auto_functionalized_v2, (torch.ops.kimi_kernels.kda_decode_paged.default,), kwargs)
         out = g.call_function(operator.getitem, (new, 0))
         page = g.call_function(operator.getitem, (new, 1))
-        zeros = g.call_function(aten.zeros_like.default, (a["g2"],))  # [T, P]: padding rows zero
+        # values set here, not left to the fake-value updater: torch 2.11's skips higher-order ops
+        out.meta["val"] = a["g2"].meta["val"].new_empty((a["mixed_qkv"].meta["val"].shape[0], P))
+        page.meta["val"] = group.page_out.meta["val"]
+        new.meta["val"] = (out.meta["val"], page.meta["val"])
+        T = a["g2"].meta["val"].shape[0]
+        if not isinstance(T, int):
+            T = g.call_function(aten.sym_size.int, (a["g2"], 0))
+        zeros = _full(g, [T, P], 0, a["g2"])  # padding rows zero
         full = g.call_function(aten.slice_scatter.default, (zeros, out, 0, 0, R))
         flat = g.call_function(aten.view.default, (full, [-1, P // H]))
     y.replace_all_uses_with(flat)
