@@ -39,8 +39,9 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def page_spelling() -> None:
-    """Inductor vs eager on a Triton kernel that mutates a reshaped dtype view of a byte
-    slice of an int8 page, as vLLM's KDA kernels take their states."""
+    """Inductor vs eager on a Triton kernel that mutates a reshaped dtype view of an int8
+    page: vLLM's spelling (a dtype view of a byte slice, as its KDA kernels take their
+    states) and ``byte_pages``' (a slice of the page's dtype view)."""
     import triton
     import triton.language as tl
 
@@ -51,18 +52,21 @@ def page_spelling() -> None:
         x = tl.load(ptr + s * stride_s + offs)
         tl.store(ptr + s * stride_s + offs, (x.to(tl.float32) * 0.5).to(x.dtype))
 
-    def f(page):
-        state = page[:, 64:128].view(torch.bfloat16).view(8, 4, 8)
-        halve[(8,)](state, state.stride(0), state.stride(1), N=8, R=4)
-        return page.float().sum()
+    spellings = {"vllm": lambda page: page[:, 64:128].view(torch.bfloat16).view(8, 4, 8),
+                 "byte_pages": lambda page: page.view(torch.bfloat16)[:, 32:64].view(8, 4, 8)}
+    for name, state_of in spellings.items():
+        def f(page):
+            state = state_of(page)
+            halve[(8,)](state, state.stride(0), state.stride(1), N=8, R=4)
+            return page.float().sum()
 
-    page = torch.randn(8, 64, device="cuda").to(torch.bfloat16).view(torch.int8)  # finite bf16 bytes
-    eager, compiled = page.clone(), page.clone()
-    f(eager)
-    torch.compile(f, backend="inductor", fullgraph=True)(compiled)
-    torch.cuda.synchronize()
-    print("page spelling, Triton launch: bytes differing", int((eager != compiled).sum()), "of", page.numel(),
-          flush=True)
+        page = torch.randn(8, 64, device="cuda").to(torch.bfloat16).view(torch.int8)  # finite bf16 bytes
+        eager, compiled = page.clone(), page.clone()
+        f(eager)
+        torch.compile(f, backend="inductor", fullgraph=True)(compiled)
+        torch.cuda.synchronize()
+        print(f"page spelling {name}, Triton launch: bytes differing", int((eager != compiled).sum()), "of",
+              page.numel(), flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Options of the ``kimi_specialized`` backend, given as ``torch.compile(options=...)``.
 
     torch.compile(model, backend="kimi_specialized", options={
-        "passes": ["hybrid_attention", "mega_moe", "sharded_moe", "lower_kernels"],  # pipeline order
+        "passes": ["hybrid_attention", "mega_moe", "sharded_moe", "lower_kernels", "byte_pages"],  # pipeline order
         "decode": {"tp": 4, "q": 4, "dcp": 1,    # the deployment's decode settings
                    "capture_sizes": [8, 16],     # rewrite only these batch rows (empty: all)
                    "sharded_moe_rows": 64},      # sharded_moe up to this many rows (0: never)

@@ -40,7 +40,7 @@ from .roles import Core
 log = logging.getLogger("kimi_inductor.passes")
 
 
-FRAGMENT_PASSES = ("mega_moe", "lower_kernels")  # the passes that apply to a layer fragment (local rewrites)
+FRAGMENT_PASSES = ("mega_moe", "lower_kernels", "byte_pages")  # the passes that apply to a layer fragment (local rewrites)
 
 
 class MatchError(ValueError):

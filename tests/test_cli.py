@@ -34,7 +34,7 @@ def test_demo_main_job_writes_its_json(tmp_path):
 
 def test_explain_compiles_without_running():
     report, regions = explain("tiny-k3.1", "sp", ranks=4, q=2, requests=4, layer=3, part="attention")
-    assert list(regions) == ["before", "hybrid_attention", "mega_moe", "sharded_moe", "lower_kernels"]
+    assert list(regions) == ["before", "hybrid_attention", "mega_moe", "sharded_moe", "lower_kernels", "byte_pages"]
     before, after = regions["before"], regions["hybrid_attention"]
     assert report.layout == "sp" and all(l.rewritten for l in report.layers)
     assert [l.kind for l in report.layers][3] == "dsa"

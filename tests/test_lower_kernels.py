@@ -145,3 +145,45 @@ def test_vllm_kda_group_without_its_gated_norm_says_where_the_path_ends():
     assert isinstance(vllm_kda._norm_after(graph(False)), TritonCall)
     reason = vllm_kda._norm_after(graph(True))
     assert reason == "no gated RMSNorm reads its output (its path ends at aten.clone.default)", reason
+
+
+
+@pytest.mark.parametrize("row", [32, 30])
+def test_byte_pages_respells_typed_views_of_byte_slices_exactly(row):
+    """byte_pages on vLLM's binding of two typed states in an int8 page (bf16 bytes [0, 8),
+    then fp32 bytes [8, 24) read from the first write-back):
+    ``view.dtype(slice(page))`` -> ``slice(view.dtype(page))`` and each write-back
+    scatters into the typed page; the same values. Where the page's rows are not whole
+    elements of a view (30 bytes: no fp32 view) that pair is left as it is, with the
+    reason."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kimi_inductor.passes.byte_pages import BytePages
+
+    aten = torch.ops.aten
+
+    def step(page, y):
+        conv = page[:, :8].view(torch.bfloat16)
+        page = torch.slice_scatter(page, (conv * 2).view(torch.int8), 1, 0, 8)
+        state = page[:, 8:24].view(torch.float32)
+        return torch.slice_scatter(page, (state * 2 + y).view(torch.int8), 1, 8, 24), state.sum(1)
+
+    page = torch.randn(3, 16, dtype=torch.bfloat16).view(torch.int8)[:, :row]  # finite bf16 and fp32 bytes
+    y = torch.randn(3, 4)
+    gm = make_fx(step, tracing_mode="fake")(page, y)
+    for node in [n for n in gm.graph.nodes if n.target is aten.detach.default]:  # as in a post-grad graph
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    want = step(page, y)
+    info = BytePages()(gm, None)
+    gm.recompile()
+    got = gm(page, y)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    sliced = [n for n in gm.graph.nodes if n.target is aten.view.dtype and n.args[0].target is aten.slice.Tensor]
+    scatters = [n.args[2:] for n in gm.graph.nodes if n.target is aten.slice_scatter.default]
+    assert info.matched == 4
+    if row % 4:
+        assert info.rewritten == 2 and len(sliced) == 1 and scatters == [(1, 0, 4), (1, 8, 24)]
+        assert len(info.skipped) == 2 and all("not a whole-element slice" in s for s in info.skipped)
+    else:
+        assert info.rewritten == 4 and not sliced and scatters == [(1, 0, 4), (1, 2, 6)]
