@@ -150,14 +150,12 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_matmul(x_rows, xmask, w_ptr, s_ptr, rows, wmask_n, K, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr):
+                      BK: tl.constexpr, DOT_F32: tl.constexpr):
         """x[:, :K] W[rows]^T -> [BM, BN] fp32 for an MXFP4 W [N, K / 2 bytes] + scales [N, K / 32].
 
         bf16 x (SM90): the weight as the left operand (W x^T: the weight tile [BN, BK / 2] is
         read as stored, K-contiguous, upcast to bf16 in registers by ``_e2m1_bf16``; the few
-        rows of x are the right operand), transposed once at the end; ``PREFETCH``: each K
-        step's weight and scale tiles are loaded into registers during the step before (a
-        one-stage loop otherwise waits for every tile). fp32 x (and the interpreter, which
+        rows of x are the right operand), transposed once at the end. fp32 x (and the interpreter, which
         has no inline PTX): the tiles dequantised here, as even- and odd-column halves, and
         two fp32 dots."""
         if DOT_F32:
@@ -177,20 +175,11 @@ if triton is not None:
             KS = tl.multiple_of(K // 32, 4)
             w_ptrs = w_ptr + rows[:, None] * KB + tl.arange(0, BK // 2)[None, :]
             s_ptrs = s_ptr + rows[:, None] * KS + tl.arange(0, BK // 32)[None, :]
-            if PREFETCH:
-                w_next = tl.load(w_ptrs, mask=wmask_n[:, None], other=0)
-                s_next = tl.load(s_ptrs, mask=wmask_n[:, None], other=127)
             acc_t = tl.zeros([BN, BM], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 rk = k0 + tl.arange(0, BK)
-                if PREFETCH:
-                    w, s = w_next, s_next
-                    more = wmask_n[:, None] & (k0 + BK < K)
-                    w_next = tl.load(w_ptrs + (k0 + BK) // 2, mask=more, other=0)
-                    s_next = tl.load(s_ptrs + (k0 + BK) // 32, mask=more, other=127)
-                else:
-                    w = tl.load(w_ptrs + k0 // 2, mask=wmask_n[:, None], other=0)
-                    s = tl.load(s_ptrs + k0 // 32, mask=wmask_n[:, None], other=127)
+                w = tl.load(w_ptrs + k0 // 2, mask=wmask_n[:, None], other=0)
+                s = tl.load(s_ptrs + k0 // 32, mask=wmask_n[:, None], other=127)
                 s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
                 even, odd = _e2m1_bf16(w, s)
                 x_t = tl.load(x_rows + rk[None, :], mask=xmask[:, None], other=0.0)
@@ -200,8 +189,7 @@ if triton is not None:
     @triton.jit
     def _up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta,
                    linear_beta, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr, PREFETCH: tl.constexpr,
-                   PDL: tl.constexpr):
+                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
@@ -221,7 +209,7 @@ if triton is not None:
                 j = tl.arange(0, 2 * BN)
                 col = tl.program_id(1) * BN + j % BN
                 acc = _mxfp4_matmul(x_rows, mmask, w_base, s_base, col + (j // BN) * I, col < I, L, BM, 2 * BN, BK,
-                                    DOT_F32, PREFETCH)
+                                    DOT_F32)
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
             else:
                 acc_g = tl.zeros([BM, BN], dtype=tl.float32)
@@ -244,7 +232,7 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, L, I,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                     ROUND: tl.constexpr, MXFP4: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
@@ -260,7 +248,7 @@ if triton is not None:
             mmask = rm < count
             h_rows = h_ptr + (start + rm)[:, None].to(tl.int64) * I
             if MXFP4:
-                acc = _mxfp4_matmul(h_rows, mmask, w_base, s_base, rn, nmask, I, BM, BN, BK, DOT_F32, PREFETCH)
+                acc = _mxfp4_matmul(h_rows, mmask, w_base, s_base, rn, nmask, I, BM, BN, BK, DOT_F32)
             else:
                 acc = tl.zeros([BM, BN], dtype=tl.float32)
                 for k0 in range(0, I, BK):
@@ -331,13 +319,12 @@ def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tens
 def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
             linear_beta: float, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
             BM: int | None = None, BN: int | None = None, BK: int | None = None, num_stages: int | None = None,
-            num_warps: int = 4, prefetch: bool = False) -> Tensor:
+            num_warps: int = 4) -> Tensor:
     """The Triton implementation (MXFP4 weights when their scales are given); tile sizes
-    and the MXFP4 register prefetch (``_mxfp4_matmul``) as arguments for the benchmark's
-    sweep. Defaults, measured on H200 (``benchmarks/moe_experts.py``): bf16 BN 32 (64
+    as arguments for the benchmark's sweep. Defaults, measured on H200 (``benchmarks/moe_experts.py``): bf16 BN 32 (64
     within 1%), BK 128, 3 stages; MXFP4 BN 64 (its up tile is 2 BN rows of gate and up),
-    BK 256, 1 stage (8-30 % faster than BK 128 / 3 stages, BN 32 and 128 slower), no
-    prefetch (not yet timed on the GPU)."""
+    BK 256, 1 stage (8-30 % faster than BK 128 / 3 stages, BN 32 and 128 slower; loading
+    each K step's tiles into registers one step ahead was 1.45-1.62x slower)."""
     T, top_k = topk_ids.shape
     E, two_i, L = w13.shape[0], w13.shape[1], latent.shape[1]
     I = two_i // 2
@@ -357,9 +344,8 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     tiles = dict(BM=BM or block_rows(pairs, E), BN=BN, BK=BK)
     launch = pdl(latent.device)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, PREFETCH=prefetch, num_warps=num_warps,
-                 num_stages=num_stages,
-                 **launch)
+                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, num_warps=num_warps,
+                 num_stages=num_stages, **launch)
     _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order, starts,
                                         counts, h, L, I, beta, linear_beta, TOP_K=top_k, **tiles, **flags)
     _down_kernel[(E, triton.cdiv(L, BN))](h, w2, w2_scale if mxfp4 else w2, topk_weights.contiguous().view(-1),

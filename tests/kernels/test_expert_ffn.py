@@ -162,17 +162,3 @@ def test_mxfp4_upcast_is_exact_for_every_e8m0_scale():
     assert torch.isfinite(got).all()
     err = (got - want).norm(dim=1) / want.norm(dim=1)
     assert err.max() < 1e-2, f"row relative error {err.max():.2e}"
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the register prefetch is in the bf16 (GPU) path only")
-@pytest.mark.parametrize("T, k", [(1, 16), (8, 16)])
-def test_mxfp4_register_prefetch_gives_the_same_bits(T, k):
-    """MXFP4 tiles loaded one K step ahead (``grouped(prefetch=True)``) change when the
-    bytes arrive, not what is computed: bitwise the one-stage loop's result."""
-    E, L, I = MX_SHAPES[0]
-    g = torch.Generator().manual_seed(T + k)
-    ids = torch.randint(-1, 2 * E, (T, k), generator=g)
-    latent, weights, ids, w13, w2 = _inputs(T, k, E, L, I, ids, seed=T + 3)
-    (q13, s13), (q2, s2) = _mxfp4(w13), _mxfp4(w2)
-    args = (latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
-    assert torch.equal(X.grouped(*args, prefetch=True), X.grouped(*args))
