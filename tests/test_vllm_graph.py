@@ -302,8 +302,7 @@ def gloo_rank(tp, rows, steps):
 
     vllm_config, model = vllm_cpu.build(tp=tp, group="gloo", layers=LAYERS)
     batch = vllm_cpu.decode_batch(model, vllm_config, rows, PADDING)
-    options = (HYBRID, EVERY_PASS) if tp == 2 else (HYBRID,)
-    return eager_and_compiled(vllm_config, model, batch, steps, rows, options)
+    return eager_and_compiled(vllm_config, model, batch, steps, rows, (HYBRID, EVERY_PASS))
 
 
 def median_row_error(out, ref):
@@ -627,14 +626,19 @@ def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
 
 
 @pytest.mark.slow
-def test_gloo_tp4_hybrid_step_equals_vllm_eager():
+def test_gloo_tp4_kimi_specialized_equals_vllm_eager():
     """4 ranks, T = 4 (3 requests and a padding one: the all-reduce then sums in the
-    reduce-scatter's order), 8 steps, bitwise."""
+    reduce-scatter's order), 8 steps: the hybrid step bitwise; every pass (each layer
+    rewritten by all that apply) in the bf16 band."""
     from kimi_inductor.launch import run_ranks
 
     for rank in run_ranks(gloo_rank, 4, 4, 3, 8):
-        assert rank["reports"][0][0]["layout_after"] == "hybrid"
+        hybrid, every = rank["reports"]
+        assert hybrid[0]["layout_after"] == every[0]["layout_after"] == "hybrid"
+        assert [l["rewritten_by"] for l in every[0]["layers"]] == (
+            [["hybrid_attention", "lower_kernels"]] + [["hybrid_attention", "mega_moe", "lower_kernels"]] * (L - 1))
         assert_bitwise(rank["eager"], rank["compiled"][0])
+        assert_in_band(rank["eager"], rank["compiled"][1])
 
 
 def _kda_group_against_ours(dtype):
