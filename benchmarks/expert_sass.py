@@ -18,25 +18,16 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kimi_inductor.kernels import expert_ffn as X
 
 TILES = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PDL": True}
-UP = {"x_ptr": "*bf16", "stride_x": "i32", "w13_ptr": "*u8", "s13_ptr": "*u8", "order_ptr": "*i32",
-      "starts_ptr": "*i32", "counts_ptr": "*i32", "h_ptr": "*bf16", "L": "i32", "I": "i32", "beta": "fp32",
-      "linear_beta": "fp32", "TOP_K": "constexpr", **{k: "constexpr" for k in TILES}}
-DOWN = {"h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "weights_ptr": "*fp32", "order_ptr": "*i32",
-        "starts_ptr": "*i32", "counts_ptr": "*i32", "y_ptr": "*fp32", "L": "i32", "I": "i32",
-        **{k: "constexpr" for k in TILES}}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def k_loop(kernel, sig: dict, constexprs: dict, maxnreg: int | None) -> list[str]:
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-             if v.startswith("*") or k in ("L", "I", "stride_x")}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
+def k_loop(source, maxnreg: int | None) -> list[str]:
+    """The SASS lines of the kernel's K loop."""
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "num_stages": 1, "maxnreg": maxnreg})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -58,9 +49,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--maxnreg", type=int, default=128, help="the register cap (0: none)")
     args = p.parse_args()
-    for name, kernel, sig, constexprs, rows in (("up", X._up_kernel, UP, {"TOP_K": 16, **TILES}, 2 * TILES["BN"]),
-                                                ("down", X._down_kernel, DOWN, TILES, TILES["BN"])):
-        body = k_loop(kernel, sig, constexprs, args.maxnreg or None)
+    for name, source in X.sm90_sources(TILES).items():
+        body = k_loop(source, args.maxnreg or None)
+        rows = TILES["BN"] * (2 if name == "up" else 1)  # the up kernel's tile: gate and up rows
         values = rows * TILES["BK"] / 128  # per thread per K step
         ops = collections.Counter(INSTRUCTION.search(x).group(1) for x in body)
         print(f"{name}: {len(body)} instructions per K step, {len(body) / values:.2f} per value;",

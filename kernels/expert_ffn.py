@@ -362,6 +362,29 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
 expert_ffn.register_fake(_fake)
 
 
+def sm90_sources(tiles: dict, top_k: int = 16) -> dict:
+    """{"up": ASTSource, "down": ASTSource}: the grouped kernels as ``grouped`` launches
+    them (``tiles``: BM, BN, BK, DOT_F32, ROUND, MXFP4, PDL), with the launch's
+    specialisation (16-divisible pointers, L, I and the latent stride), to compile for
+    sm_90 without a GPU (``tests/test_triton_compiles.py``, ``benchmarks/expert_sass.py``)."""
+    from triton.compiler import ASTSource
+
+    weight = "*u8" if tiles["MXFP4"] else "*bf16"
+    rows = {"order_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32"}
+    up = {"x_ptr": "*bf16", "stride_x": "i32", "w13_ptr": weight, "s13_ptr": weight, **rows, "h_ptr": "*bf16",
+          "L": "i32", "I": "i32", "beta": "fp32", "linear_beta": "fp32", "TOP_K": "constexpr",
+          **{k: "constexpr" for k in tiles}}
+    down = {"h_ptr": "*bf16", "w2_ptr": weight, "s2_ptr": weight, "weights_ptr": "*fp32", **rows, "y_ptr": "*fp32",
+            "L": "i32", "I": "i32", **{k: "constexpr" for k in tiles}}
+
+    def source(kernel, sig, constexprs):
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+                 if v.startswith("*") or k in ("L", "I", "stride_x")}
+        return ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+
+    return {"up": source(_up_kernel, up, {"TOP_K": top_k, **tiles}), "down": source(_down_kernel, down, tiles)}
+
+
 def reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale=None, w2_scale=None) -> Tensor:
     """The stock expert loop over the local experts (fp32 sum in expert order), on the
     dequantised experts where they are MXFP4."""
