@@ -183,7 +183,7 @@ def tp1_capture_and_numerics(steps):
     result["rope_mla_report"] = lower_with_rope_mla(graphs[0])
     result["mla_pair"] = mla_pair_against_ours()
     result.update(eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, ours_at_every_block,
-                                                                                 EVERY_PASS)))
+                                                                                 EVERY_PASS, BYTE_PAGES)))
     return result
 
 
@@ -272,6 +272,7 @@ def replica_row_errors(vllm_config, model, batch, steps):
 
 HYBRID = {"compiler": "eager", "passes": ["hybrid_attention"]}
 EVERY_PASS = {"compiler": "eager"}
+BYTE_PAGES = {"compiler": "eager", "passes": ["byte_pages"]}
 
 
 def eager_and_compiled(vllm_config, model, batch, steps, rows=ROWS, options=(EVERY_PASS,)):
@@ -359,8 +360,8 @@ def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
     decode pair by our MLA op on its paged latent cache, keeps vLLM's AttnRes kernel
     (faster on H200) unless told ours is faster, then swaps it. The bf16 band over 8
     steps either way; one graph each, compiled once."""
-    assert [len(r) for r in tp1["reports"]] == [1, 1] and len(tp1["eager"]) == 8
-    kept, swapped = (r[0] for r in tp1["reports"])
+    assert [len(r) for r in tp1["reports"]] == [1, 1, 1] and len(tp1["eager"]) == 8
+    kept, swapped = (r[0] for r in tp1["reports"][:2])
     for layer in kept["layers"]:  # layer 0 is dense; KDA and MLA cores lowered
         assert layer["spelling"] == "vllm"
         assert layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0) + ["lower_kernels"], layer
@@ -373,6 +374,16 @@ def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
     assert kept["layout"] == "single"
     for compiled in tp1["compiled"]:
         assert_in_band(tp1["eager"], compiled)
+
+
+def test_byte_pages_on_vllms_graph_is_bitwise_vllm_eager(tp1):
+    """byte_pages alone on vLLM's graph: both page views of every KDA layer (conv and
+    recurrent state, read and write-back) re-spelt, and the 8 steps bitwise vLLM eager
+    (each rewrite is an identity of views)."""
+    (report,) = tp1["reports"][2]
+    (info,) = [p for p in report["passes"] if p["name"] == "byte_pages"]
+    assert info["matched"] == info["rewritten"] == 4 * KDA_LAYERS and not info["skipped"]
+    assert_bitwise(tp1["eager"], tp1["compiled"][2])
 
 
 def test_a_rotary_mla_pair_is_kept_with_the_reason(tp1):
