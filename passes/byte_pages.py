@@ -38,20 +38,23 @@ aten = torch.ops.aten
 BYTES = (torch.int8, torch.uint8)
 
 
-def _ratio(page: fx.Node, dim, start, end, dtype: torch.dtype) -> int:
-    """r when ``slice(page, dim, start, end)`` viewed as ``dtype`` is the slice
-    [start / r, end / r) of ``page`` viewed as ``dtype``, else 0."""
+def _typed_range(page, dim, start, end, step, dtype: torch.dtype) -> tuple[int, int] | None:
+    """[start / r, end / r) when ``slice(page, dim, start, end, step)`` viewed as
+    ``dtype`` (r = its itemsize) is that slice of ``page`` viewed as ``dtype``, else None
+    (``start`` / ``end`` None: the slice's defaults)."""
     val = page.meta.get("val") if isinstance(page, fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.dtype not in BYTES or val.dim() == 0:
-        return 0
-    r = dtype.itemsize
-    shape, stride = val.shape, val.stride()
-    if r < 2 or dim not in (-1, val.dim() - 1) or stride[-1] != 1:
-        return 0
+        return None
+    r, shape, stride = dtype.itemsize, val.shape, val.stride()
+    start, end = start or 0, shape[-1] if end is None else end
+    if r < 2 or step != 1 or dim not in (-1, val.dim() - 1) or stride[-1] != 1:
+        return None
     if not all(isinstance(v, int) for v in (start, end, shape[-1], *stride[:-1])):
-        return 0
+        return None
     end = min(end, shape[-1])
-    return r if start % r == end % r == shape[-1] % r == 0 and 0 <= start <= end and all(s % r == 0 for s in stride[:-1]) else 0
+    if start % r or end % r or shape[-1] % r or not 0 <= start <= end or any(s % r for s in stride[:-1]):
+        return None
+    return start // r, end // r
 
 
 class BytePages:
@@ -63,56 +66,39 @@ class BytePages:
             if node.op != "call_function":
                 continue
             if node.target is aten.view.dtype and _is_slice(node.args[0]) and node.args[1] not in BYTES:
-                page, dim, start, end, step = _slice_args(node.args[0])
-                info.matched += 1
-                r = _ratio(page, dim, start, end, node.args[1])
-                if not r or step != 1:
-                    info.skipped.append(f"{node.name}: not a whole-element slice of a contiguous byte page")
-                    continue
-                with g.inserting_before(node):
-                    typed = g.call_function(aten.view.dtype, (page, node.args[1]))
-                    new = g.call_function(aten.slice.Tensor, (typed, dim, start // r, min(end, _len(page)) // r))
-                _replace(g, node, new)
-                info.rewritten += 1
+                (page, dim, *bounds), dtype = _args(node.args[0], 1), node.args[1]  # a read
             elif node.target is aten.slice_scatter.default and _is_typed_bytes(node.args[1]):
-                page, src = node.args[0], node.args[1].args[0]
-                dim, start, end, step = (list(node.args[2:]) + [0, None, None, 1][len(node.args) - 2:])[:4]
-                start, info.matched = start or 0, info.matched + 1
-                dtype = src.meta["val"].dtype
-                r = _ratio(page, dim, start, end if end is not None else _len(page), dtype)
-                if not r or step != 1:
-                    info.skipped.append(f"{node.name}: not a whole-element slice of a contiguous byte page")
-                    continue
-                end = min(end if end is not None else _len(page), _len(page))
-                with g.inserting_before(node):
-                    typed = g.call_function(aten.view.dtype, (page, dtype))
-                    scattered = g.call_function(aten.slice_scatter.default, (typed, src, dim, start // r, end // r))
+                (page, src, dim, *bounds) = _args(node, 2)  # a write: src = view.dtype(y, int8)
+                dtype = src.args[0].meta["val"].dtype
+            else:
+                continue
+            info.matched += 1
+            typed_range = _typed_range(page, dim, *bounds, dtype)
+            if typed_range is None:
+                info.skipped.append(f"{node.name}: not a whole-element slice of a contiguous byte page")
+                continue
+            with g.inserting_before(node):
+                typed = g.call_function(aten.view.dtype, (page, dtype))
+                if node.target is aten.view.dtype:
+                    new = g.call_function(aten.slice.Tensor, (typed, dim, *typed_range))
+                else:
+                    scattered = g.call_function(aten.slice_scatter.default, (typed, src.args[0], dim, *typed_range))
                     new = g.call_function(aten.view.dtype, (scattered, page.meta["val"].dtype))
-                _replace(g, node, new)
-                info.rewritten += 1
+            new.meta["val"] = node.meta["val"]  # at once: a later match reads the page it produces
+            node.replace_all_uses_with(new)
+            erase_unused(g, [node])
+            info.rewritten += 1
         return info
 
 
-def _replace(g: fx.Graph, node: fx.Node, new: fx.Node) -> None:
-    """``new`` (the same view, re-spelt) in place of ``node``; it takes ``node``'s value
-    at once, since a later match reads the page it produces."""
-    new.meta["val"] = node.meta["val"]
-    node.replace_all_uses_with(new)
-    erase_unused(g, [node])
+def _args(node: fx.Node, tensors: int) -> list:
+    """``node``'s ``tensors`` tensor args, then dim, start, end, step with the slice's
+    defaults (0, None, None, 1)."""
+    return (list(node.args) + [0, None, None, 1][len(node.args) - tensors:])[:tensors + 4]
 
 
 def _is_slice(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor
-
-
-def _slice_args(node: fx.Node):
-    """(input, dim, start, end, step) of ``aten.slice.Tensor`` with its defaults."""
-    x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
-    return x, dim, start or 0, end if end is not None else _len(x), step
-
-
-def _len(node: fx.Node):
-    return node.meta["val"].shape[-1]
 
 
 def _is_typed_bytes(node) -> bool:

@@ -64,7 +64,6 @@ class KdaGroup:
     rec_start: int
     conv_width: int
     head_dim: int
-    live: int  # R
     args: dict[str, Any]  # our op's arguments but f_a / f_b_weight, g2 / beta of all T rows
     g1: fx.Node  # the f_b GEMM's output [T, P]
 
@@ -144,7 +143,6 @@ def bind(rec_node: fx.Node) -> KdaGroup | str:
         g2 = g2.args[0]
     if raw_g is None or beta is None or g2.meta["val"].dim() != 2:
         return "its gate, beta or packed QKV inputs are not the in-projection's columns"
-    live = conv.arg("batch")
     w = conv.arg("w_ptr")
     conv_weight = _through(w, aten.view.default) if _is(w, aten.view.default) else w
     slots = conv.arg("conv_state_indices_ptr")
@@ -152,7 +150,7 @@ def bind(rec_node: fx.Node) -> KdaGroup | str:
         return "its recurrence and conv update read different state slots"
     return KdaGroup(rec=rec, norm=norm, page=page, page_out=page2, conv_start=conv_slice.args[2],
                     state_len=conv.arg("state_len"), rec_start=rec_slice.args[2], conv_width=conv.arg("KERNEL_WIDTH"),
-                    head_dim=D, live=live, g1=raw_g, args=dict(
+                    head_dim=D, g1=raw_g, args=dict(
                         mixed_qkv=x, g2=g2, beta=beta, conv_weight=conv_weight, A_log=rec.arg("A_log"),
                         dt_bias=rec.arg("dt_bias"), norm_weight=norm.arg("w"), state_slots=slots,
                         lower_bound=float(rec.arg("lower_bound")), norm_eps=float(norm.arg("eps"))))
@@ -197,7 +195,11 @@ def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
     P = a["g2"].meta["val"].shape[1]
     H = a["beta"].meta["val"].shape[1]
     with g.inserting_before(group.rec.node):
-        R = group.live if isinstance(group.live, int) else g.call_function(aten.sym_size.int, (a["mixed_qkv"], 0))
+        def rows_of(node):  # its row count: a number, or read from it when symbolic
+            n = node.meta["val"].shape[0]
+            return n if isinstance(n, int) else g.call_function(aten.sym_size.int, (node, 0))
+
+        R, T = rows_of(a["mixed_qkv"]), rows_of(a["g2"])
 
         def rows(node):
             return g.call_function(aten.slice.Tensor, (node, 0, 0, R))
@@ -220,9 +222,6 @@ def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
         out.meta["val"] = a["g2"].meta["val"].new_empty((a["mixed_qkv"].meta["val"].shape[0], P))
         page.meta["val"] = group.page_out.meta["val"]
         new.meta["val"] = (out.meta["val"], page.meta["val"])
-        T = a["g2"].meta["val"].shape[0]
-        if not isinstance(T, int):
-            T = g.call_function(aten.sym_size.int, (a["g2"], 0))
         zeros = _full(g, [T, P], 0, a["g2"])  # padding rows zero
         full = g.call_function(aten.slice_scatter.default, (zeros, out, 0, 0, R))
         flat = g.call_function(aten.view.default, (full, [-1, P // H]))
