@@ -7,6 +7,7 @@ Matches and produces (M = rows, at most 64):
     addmm(acc, x, permute(W, [1, 0]))               kimi_kernels.skinny_mm(x, W, acc, bf16)
     mm(f32(x), permute(f32(W), [1, 0]))  (router)   kimi_kernels.skinny_mm(x, W, None, f32)
     mm.dtype(x, permute(W), f32)         (router)   kimi_kernels.skinny_mm(x, W, None, f32)
+    bmm(x, W)  (MLA absorption, v up-projection)    kimi_kernels.skinny_bmm(x, W)
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
@@ -230,6 +231,21 @@ class LowerKernels:
                 g.erase_node(node)
                 per_node[new] = "norm_gemm" if norm else "gemm"
             info.rewritten += 1
+        for node in [n for n in g.nodes if n.target is aten.bmm.default]:  # MLA's per-head GEMMs
+            x, w = node.args
+            info.matched += 1
+            (B, M, K), N = x.meta["val"].shape, w.meta["val"].shape[2]
+            why = (not isinstance(M, int) and "symbolic rows") or skinny_gemm.choose_bmm(B, M, K, N, x.meta["val"].dtype)
+            if why:
+                kept[f"per-head GEMM {B}x{K}x{N}: {why}"] += 1
+                continue
+            with g.inserting_before(node):
+                new = g.call_function(kk.skinny_bmm.default, (x, w))
+            new.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            per_node[new] = "bmm"
+            info.rewritten += 1
         _dead_code_out(g)
         info.skipped += [f"{n} x kept: {why}" for why, n in kept.items()]
         _annotate(ctx, per_node)
@@ -307,7 +323,7 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
                  + (f"; AttnRes: fused x{res}" if res else ""), rewritten=bool(attn or mlp or res))
 
 
-LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM",
+LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
           "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
           "moe_in": "router + latent down + shared gate/up SiTU (one GEMV)",
           "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one GEMV)",

@@ -92,6 +92,44 @@ def test_norm_and_situ_fuse_into_their_gemms_at_k3_shapes(rows, fused):
         assert any("situ next to GEMM 12288x7168, not fused: tl_dot" in s for s in info.skipped)
 
 
+@pytest.mark.parametrize("rows, lowered", [(1, True), (2, False), (65, False)])
+def test_mla_per_head_gemms_are_lowered_at_k3_shapes(rows, lowered):
+    """MLA's absorption (q_nope [T, 12, 128] as heads x W_UK [12, 128, 512]) and v
+    up-projection (latent [T, 12, 512] x W_UV^T [12, 512, 128]) at TP8 per-rank shapes, as
+    AOTAutograd spells stock's (bmm of permuted views, the weights views of kv_b):
+    ``skinny_bmm`` at one row (where it measured faster in the layer), the bmm kept with
+    its reason from two; on CPU the op is ``torch.bmm`` (same bits)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kimi_inductor.config import Options
+    from kimi_inductor.passes.decoder import DecoderGraph
+    from kimi_inductor.passes.lower_kernels import LowerKernels
+    from kimi_inductor.passes.manager import PassContext
+    from kimi_inductor.passes.report import MatchReport
+
+    def heads(q, kv_b, latent):  # stock's weights: views of kv_b [12, nope + v, 512]
+        ql = torch.bmm(q[..., :128].permute(1, 0, 2), kv_b[:, :128]).permute(1, 0, 2)
+        return ql, torch.bmm(latent.permute(1, 0, 2), kv_b[:, 128:].transpose(1, 2)).permute(1, 0, 2)
+
+    bf16 = torch.bfloat16
+    with FakeTensorMode():
+        args = [torch.empty(rows, 12, 192, dtype=bf16), torch.empty(12, 256, 512, dtype=bf16),
+                torch.empty(rows, 12, 512, dtype=bf16)]
+        gm = make_fx(heads, decomposition_table=select_decomp_table())(*args)
+    info = LowerKernels()(gm, PassContext(gm, Options(), MatchReport(), DecoderGraph()))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.kimi_kernels.skinny_bmm.default) == (2 if lowered else 0)
+    assert targets.count(torch.ops.aten.bmm.default) == (0 if lowered else 2)
+    reason = "65 rows (> 64" if rows > 64 else "cuBLAS is the fastest"
+    assert lowered or any(f"per-head GEMM 12x128x512: {reason}" in s for s in info.skipped)
+    g = torch.Generator().manual_seed(rows)
+    real = [torch.randn(a.shape, generator=g).to(bf16) for a in args]
+    gm.recompile()
+    assert all(torch.equal(a, b) for a, b in zip(gm(*real), heads(*real)))
+
+
 def test_fused_ops_compute_stock_on_cpu():
     """The fused ops' CPU references are stock's functions around the same GEMM."""
     from kimi_inductor.stock.attn_res import rms_norm

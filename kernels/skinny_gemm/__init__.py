@@ -26,6 +26,11 @@ Two fused neighbours, where the CuTe GEMV runs (``choose_fused``; elsewhere the
   * ``kimi_kernels::mm_situ``: ``situ_and_mul(x W^T, beta, linear_beta)`` (the SiTU MLP's
     gate_up, whose [gate | up] halves meet in one lane).
 Their CPU references are the stock functions composed with ``reference``.
+
+``kimi_kernels::skinny_bmm``: ``x @ W`` per head, x [B, M, K] and W [B, K, N] with any
+strides (MLA's absorption W_UK and v up-projection W_UV^T, views of kv_b), fp32 accumulation, one
+rounding, as ``torch.bmm``; the Triton ``tl_dot.run_bmm`` where it measured faster than
+cuBLAS in the layer on H200 (``FASTEST_BMM``: it launches with PDL, cuBLAS does not).
 """
 
 from __future__ import annotations
@@ -57,6 +62,15 @@ FASTEST: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     (7168, 3584): ((4, "cute_gemv"),),  # MoE latent up
     (12288, 7168): ((2, "cute_gemv"), (16, "tl_dot")),  # shared experts gate_up (SP, replicated)
     (7168, 6144): ((4, "cute_gemv"),),  # shared experts down (SP, replicated)
+}
+
+BMM_RESULTS = "docs/results/mla_layer_h200_v8.json"
+# (B, K, N) -> up to M rows: where the MLA layer ran faster with ``tl_dot.run_bmm`` than
+# with cuBLAS's bmm, side by side (benchmarks/mla_layer.py --bmm-ab, BMM_RESULTS: 1.03x at
+# one row, 0.997-1.0 from 2 to 64 rows)
+FASTEST_BMM: dict[tuple[int, int, int], int] = {
+    (12, 128, 512): 1,  # MLA absorption, TP8 (12 heads)
+    (12, 512, 128): 1,  # MLA v up-projection
 }
 
 
@@ -100,6 +114,16 @@ def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
     return impl, ""
 
 
+def choose_bmm(B: int, M: int, K: int, N: int, dtype: torch.dtype) -> str:
+    """Why the per-head GEMM stays on cuBLAS ('' when ``tl_dot.run_bmm`` takes it)."""
+    why = supported(M, N, K, dtype)
+    if why:
+        return why
+    if M > FASTEST_BMM.get((B, K, N), 0):
+        return f"cuBLAS is the fastest at this shape on H200 ({BMM_RESULTS})"
+    return ""
+
+
 def choose_fused(kind: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
     """Why ``kind`` ('rms_norm' or 'situ') is not fused into this GEMM ('' when the CuTe
     GEMV takes both: at the shapes and rows where that measured faster on H200,
@@ -138,6 +162,19 @@ def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch
 
 
 skinny_mm.register_fake(_fake)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::skinny_bmm", mutates_args=())
+def skinny_bmm(x: Tensor, weight: Tensor) -> Tensor:
+    B, M, K = x.shape
+    N = weight.shape[2]
+    ours = not choose_bmm(B, M, K, N, x.dtype) if x.is_cuda else INTERPRET and not supported(M, N, K, x.dtype)
+    return tl_dot.run_bmm(x, weight) if ours else torch.bmm(x, weight)
+
+
+@skinny_bmm.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], x.shape[1], weight.shape[2])
 
 
 def _fused_here(x: Tensor, kind: str, weight: Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""Triton split-K skinny GEMM (tensor-core ``tl.dot``), for 8 < M <= 64 and off-GPU tests.
+"""Triton split-K skinny GEMM (tensor-core ``tl.dot``), for 8 < M <= 64 and off-GPU tests;
+and the per-head skinny GEMM (``run_bmm``: MLA's absorption and v up-projection).
 
 x is padded to BM >= 16 rows for ``tl.dot``; W is tiled into BN-column slabs (one program
 each) and, when that leaves too few programs to keep every SM streaming, K is split into
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common import INTERPRET, SMS, pdl, pdl_wait, tl, triton
+from ..common import INTERPRET, SMS, bf16_round, pdl, pdl_wait, tl, triton
 
 
 def config(M: int, N: int, K: int) -> dict[str, int]:
@@ -72,6 +73,53 @@ if triton is not None:
         if HAS_ACC:
             total += tl.load(acc_ptr + m * stride_acc + n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _bmm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xb, stride_xm, stride_xk, stride_wb, stride_wk,
+                    stride_wn, stride_ob, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+        """One program per (head b, BN columns): out[b, :M, cols] = x[b] W[b][:, cols]."""
+        pdl_wait(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        rm = tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + b * stride_xb + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + b * stride_wb + rk[:, None] * stride_wk + rn[None, :] * stride_wn,
+                        mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        tl.store(out_ptr + b * stride_ob + rm[:, None] * stride_om + rn[None, :],
+                 bf16_round(acc, ROUND).to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def bmm_config(B: int, M: int, K: int, N: int) -> dict[str, int]:
+    """Tiles of the per-head GEMM: BN columns per program, narrower when the heads' slabs
+    would not fill the SMs; K in one pass up to 128 (MLA's K: 128 and 512)."""
+    bn = 32 if B * triton.cdiv(N, 32) >= SMS else 16
+    return dict(BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=min(128, max(16, triton.next_power_of_2(K))))
+
+
+def run_bmm(x: Tensor, weight: Tensor) -> Tensor:
+    """x [B, M, K] times weight [B, K, N], both with any strides (MLA's heads are a
+    permuted view of q, its weights views of kv_b: W_UK N-contiguous, W_UV^T K-contiguous;
+    Triton specialises the unit stride) -> [B, M, N] contiguous, in x's dtype, fp32
+    accumulation."""
+    B, M, K = x.shape
+    N = weight.shape[2]
+    cfg = bmm_config(B, M, K, N)
+    out = torch.empty(B, M, N, dtype=x.dtype, device=x.device)
+    _bmm_kernel[(B, triton.cdiv(N, cfg["BN"]))](
+        x, weight, out, M, N, K, *x.stride(), *weight.stride(), out.stride(0), out.stride(1),
+        DOT_F32=dot_f32(x.dtype), ROUND=x.dtype == torch.bfloat16, num_warps=4, num_stages=3, **cfg,
+        **pdl(x.device))
+    return out
 
 
 def dot_f32(dtype: torch.dtype) -> bool:

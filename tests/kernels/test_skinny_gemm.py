@@ -52,6 +52,36 @@ def test_skinny_mm_matches_torch(M, N, K, out_dtype, with_acc):
         check(got, want, out_dtype)
 
 
+@pytest.mark.parametrize("B, K, N", [(12, 128, 512), (12, 512, 128)] if DEVICE == "cuda" else [(3, 32, 48), (4, 256, 40)])
+@pytest.mark.parametrize("M", [1, 5, 17, 64])
+def test_per_head_gemm_matches_torch(B, K, N, M):
+    """``skinny_bmm`` on views as stock's MLA makes them (q_nope a permuted slice of q; the
+    weight a slice of kv_b [B, K + 64, N] or the transpose of one of [B, N, K + 64])
+    against the fp32 product within one bf16 ulp; the Triton kernel itself on the GPU
+    too, and the op equals ``torch.bmm`` where it keeps cuBLAS."""
+    g = torch.Generator().manual_seed(B + K + N + M)
+    q = torch.randn(M, B, K + 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    x = q[..., :K].permute(1, 0, 2)
+    for w in ((torch.randn(B, K + 64, N, generator=g) * K**-0.5).to(torch.bfloat16).to(DEVICE)[:, :K],
+              (torch.randn(B, N, K + 64, generator=g) * K**-0.5).to(torch.bfloat16).to(DEVICE)[..., :K].transpose(1, 2)):
+        want = x.float().cpu() @ w.float().cpu()
+        got = torch.ops.kimi_kernels.skinny_bmm(x, w)
+        check(got, want, torch.bfloat16)
+        if DEVICE == "cuda":
+            check(tl_dot.run_bmm(x, w), want, torch.bfloat16)
+            if skinny_gemm.choose_bmm(B, M, K, N, x.dtype):
+                assert torch.equal(got, torch.bmm(x, w))
+        xf, wf = x.float(), w.float()  # fp32 operands: IEEE fp32 dots
+        assert (tl_dot.run_bmm(xf, wf).cpu() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_per_head_gemm_dispatch_names_its_reason():
+    assert skinny_gemm.choose_bmm(12, 1, 128, 512, torch.bfloat16) == ""
+    assert "fastest" in skinny_gemm.choose_bmm(12, 2, 512, 128, torch.bfloat16)  # measured: cuBLAS from 2 rows
+    assert "fastest" in skinny_gemm.choose_bmm(4, 1, 16, 32, torch.bfloat16)  # a shape never measured
+    assert "rows" in skinny_gemm.choose_bmm(12, 65, 128, 512, torch.bfloat16)
+
+
 @pytest.mark.parametrize("M", [8, 16])
 def test_split_k_gemm_on_fp32_operands_is_fp32(M):
     """fp32 x and W (the fp32 model of the exact-function checks, where ``choose`` still
