@@ -3,18 +3,20 @@ item 2). CPU only: reads the committed H200 results, prints the arithmetic.
 
 Per rank and layer, at R rows (q = 1):
 
-    attention   KDA or MLA layer step as main runs it (PDL on every kernel, no L2 prefetch:
-                ``kda_layer_q1_h200_v10_noprefetch`` / ``_v10``, ``mla_layer_h200_v6_noprefetch``
-                / ``_v6``; the prefetch only touched the CuTe GEMVs of 1-2 rows)
+    attention   KDA or MLA layer step as main runs it (PDL on every kernel, the GEMV
+                releasing at exit: ``kda_layer_q1_h200_v11`` at 1 / 2 / 8 rows, else
+                ``_v10_noprefetch`` / ``_v10``; MLA with one-step chunks and the per-head GEMMs:
+                ``mla_layer_h200_v8``)
     AttnRes     2 fused calls (``attn_res_h200_v2``: the median over 1-7 saved blocks)
-    MoE         non-expert work (``moe_sharding_h200_v4``, one run): the row shard, the
+    MoE         non-expert work (``moe_sharding_h200_v5`` at 1 / 2 / 4 rows, else ``_v4``): the row shard, the
                 sharded layer as Inductor compiles it, or as lower_kernels runs it
                 (``kimi_us``: moe_in with the expert choice, moe_out)
     experts     the slowest rank's experts: E[max over the 8 EP ranks of the distinct
                 experts R rows pick there] (uniform top-16 of 896, simulated) x our
                 grouped kernel's time per active expert at EP 8 shapes
                 (``moe_experts_h200_v1``, 112 local experts; ``sharded_mxfp4``: the same
-                with the checkpoint's MXFP4 experts, ``moe_experts_mxfp4_h200_v4``)
+                with the checkpoint's MXFP4 experts at the default tile and register cap,
+                ``moe_experts_mxfp4_h200_v6``)
     collectives NCCL in CUDA graphs, measured on 2 x H200 (kernels_and_limits.md 1.3;
                 TP 8 not measured): attention all-reduce + the MoE's (row shard: EP
                 dispatch all-gather, combine reduce-scatter, output all-gather; sharded:
@@ -78,15 +80,16 @@ def slowest_rank_experts(R: int, experts: int = 896, top_k: int = 16, ranks: int
 
 
 def project(R: int) -> dict:
-    kda = _first(R, "kimi_us", "kda_layer_q1_h200_v10_noprefetch.json", "kda_layer_q1_h200_v10.json", q=1)
-    mla = _first(R, "kimi_us", "mla_layer_h200_v6_noprefetch.json", "mla_layer_h200_v6.json", q=1)
+    kda = _first(R, "kimi_us", "kda_layer_q1_h200_v11.json", "kda_layer_q1_h200_v10_noprefetch.json",
+                 "kda_layer_q1_h200_v10.json", q=1)
+    mla = _at(_rows("mla_layer_h200_v8.json"), R, "kimi_us", q=1)
     attn_res = 2 * _at(_rows("attn_res_h200_v2.json"), R, "ours_us")
-    moe = {layout: _at(_rows("moe_sharding_h200_v4.json"), R, f"{layout}_us")
+    moe = {layout: _first(R, f"{layout}_us", "moe_sharding_h200_v5.json", "moe_sharding_h200_v4.json")
            for layout in ("row_shard", "sharded", "kimi")}
     ex = [r for r in _rows("moe_experts_h200_v1.json") if r["experts"] == 112 and r["rows"] == R]
     per_expert = ex[0]["ours_us"] / ex[0]["active_experts"]
-    mx = [r for r in _rows("moe_experts_mxfp4_h200_v4.json") if r["experts"] == 112 and r["rows"] == R]
-    per_expert_mxfp4 = mx[0]["mxfp4_us"] / mx[0]["active_experts"]
+    mx = [r for r in _rows("moe_experts_mxfp4_h200_v6.json") if r["experts"] == 112 and r["rows"] == R]
+    per_expert_mxfp4 = mx[0]["mxfp4_64_256_4_1_128_us"] / mx[0]["active_experts"]  # the default tile and cap
     slowest = slowest_rank_experts(R)
     experts = per_expert * slowest
     coll = COLLECTIVE_US[R]
