@@ -2,7 +2,7 @@
 for sm_90a on the CPU (no GPU needed) as they launch on the H200: default tile (BN 64,
 BK 256, 4 warps, one stage), 16-divisible pointers, L and I, the register cap.
 
-    python benchmarks/expert_sass.py [--maxnreg 128]
+    python benchmarks/expert_sass.py [--maxnreg 128] [--bn 64] [--bk 256] [--pairs]
 
 The loop is the innermost backward branch whose body holds the HGMMA; per value = its
 instructions / (weight rows of the tile x BK / 128 threads)."""
@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 
 from kimi_inductor.kernels import expert_ffn as X
 
-TILES = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PDL": True}
+TILES = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PAIRS": False, "PDL": True}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -48,11 +48,15 @@ def k_loop(source, maxnreg: int | None) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--maxnreg", type=int, default=128, help="the register cap (0: none)")
+    p.add_argument("--bn", type=int, default=TILES["BN"], help="weight rows per tile (the up kernel's: 2 BN)")
+    p.add_argument("--bk", type=int, default=TILES["BK"], help="K per step")
+    p.add_argument("--pairs", action="store_true", help="the tile in the upcast's pair order (PAIRS)")
     args = p.parse_args()
-    for name, source in X.sm90_sources(TILES).items():
+    tiles = {**TILES, "BN": args.bn, "BK": args.bk, "PAIRS": args.pairs}
+    for name, source in X.sm90_sources(tiles).items():
         body = k_loop(source, args.maxnreg or None)
-        rows = TILES["BN"] * (2 if name == "up" else 1)  # the up kernel's tile: gate and up rows
-        values = rows * TILES["BK"] / 128  # per thread per K step
+        rows = tiles["BN"] * (2 if name == "up" else 1)  # the up kernel's tile: gate and up rows
+        values = rows * tiles["BK"] / 128  # per thread per K step
         ops = collections.Counter(INSTRUCTION.search(x).group(1) for x in body)
         print(f"{name}: {len(body)} instructions per K step, {len(body) / values:.2f} per value;",
               ", ".join(f"{k} {v / values:.2f}" for k, v in ops.most_common(8)))
