@@ -74,7 +74,6 @@ if triton is not None:
             total += tl.load(acc_ptr + m * stride_acc + n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=mask)
 
-
     @triton.jit
     def _bmm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xb, stride_xm, stride_xk, stride_wb, stride_wk,
                     stride_wn, stride_ob, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
