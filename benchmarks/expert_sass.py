@@ -4,8 +4,9 @@ BK 256, 4 warps, one stage), 16-divisible pointers, L and I, the register cap.
 
     python benchmarks/expert_sass.py [--maxnreg 128] [--bn 64] [--bk 256] [--pairs]
 
-The loop is the innermost backward branch whose body holds the HGMMA; per value = its
-instructions / (weight rows of the tile x BK / 128 threads)."""
+The loop is the innermost backward branch whose body holds the HGMMA (HMMA for tiles
+below 64 weight rows); per value = its instructions / (weight rows of the tile x BK / 128
+threads). A 32-row down tile (``--bn 32``) upcasts every value twice (11-12 per value)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def k_loop(source, maxnreg: int | None) -> list[str]:
         m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", t)
         if m and labels.get(m.group(1), i) < i:
             body = [x for x in text[labels[m.group(1)]:i + 1] if INSTRUCTION.search(x)]
-            if any("HGMMA" in x for x in body):
+            if any("HGMMA" in x or "HMMA" in x for x in body):  # WGMMA, or mma.sync below 64 rows
                 loops.append(body)
     return min(loops, key=len)
 
