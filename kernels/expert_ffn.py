@@ -110,6 +110,11 @@ if triton is not None:
         return (_e2m1(codes & 15) * scale).to(tl.bfloat16), (_e2m1(codes >> 4) * scale).to(tl.bfloat16)
 
     @triton.jit
+    def _in_pair_order(t, ROWS: tl.constexpr, BK: tl.constexpr):
+        """t [ROWS, BK] with its columns in ``_pair_order`` (a permutation in registers)."""
+        return tl.reshape(tl.permute(tl.reshape(t, [ROWS, BK // 4, 2, 2]), [0, 1, 3, 2]), [ROWS, BK])
+
+    @triton.jit
     def _pair_order(j):
         """K order of a PAIRS tile: column j holds k = j with bits 0 and 1 swapped (an
         involution within each 4 columns; ``_mxfp4_matmul``)."""
@@ -176,13 +181,13 @@ if triton is not None:
                 even, odd = _e2m1_exact(w, s)
             else:
                 even, odd = _e2m1_bf16(w, s)
-            tile = tl.join(even, odd)  # [BN, BK / 2, 2]
+            tile = tl.reshape(tl.join(even, odd), [BN, BK])  # K order
             if PAIRS:
-                tile = tl.permute(tl.reshape(tile, [BN, BK // 4, 2, 2]), [0, 1, 3, 2])
+                tile = _in_pair_order(tile, BN, BK)
             x_t = tl.load(x_rows + (k0 + tl.arange(0, BK))[None, :], mask=xmask[:, None], other=0.0)
-            if PAIRS and not X_PAIRED:  # x's columns in _pair_order
-                x_t = tl.reshape(tl.permute(tl.reshape(x_t, [BM, BK // 4, 2, 2]), [0, 1, 3, 2]), [BM, BK])
-            acc_t = _dot(tl.reshape(tile, [BN, BK]), tl.trans(x_t), acc_t, DOT_F32)
+            if PAIRS and not X_PAIRED:
+                x_t = _in_pair_order(x_t, BM, BK)
+            acc_t = _dot(tile, tl.trans(x_t), acc_t, DOT_F32)
         return tl.trans(acc_t)
 
     @triton.jit
