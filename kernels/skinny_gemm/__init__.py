@@ -168,6 +168,9 @@ skinny_mm.register_fake(_fake)
 def skinny_bmm(x: Tensor, weight: Tensor) -> Tensor:
     B, M, K = x.shape
     N = weight.shape[2]
+    if weight.shape[:2] != (B, K):
+        raise ValueError(f"kimi_kernels.skinny_bmm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+                         "multiply: the weight must be [B, K, N] for x [B, M, K]")
     ours = not choose_bmm(B, M, K, N, x.dtype) if x.is_cuda else INTERPRET and not supported(M, N, K, x.dtype)
     return tl_dot.run_bmm(x, weight) if ours else torch.bmm(x, weight)
 

@@ -80,6 +80,8 @@ def test_per_head_gemm_dispatch_names_its_reason():
     assert "fastest" in skinny_gemm.choose_bmm(12, 2, 512, 128, torch.bfloat16)  # measured: cuBLAS from 2 rows
     assert "fastest" in skinny_gemm.choose_bmm(4, 1, 16, 32, torch.bfloat16)  # a shape never measured
     assert "rows" in skinny_gemm.choose_bmm(12, 65, 128, 512, torch.bfloat16)
+    with pytest.raises(ValueError, match="must be \\[B, K, N\\]"):
+        torch.ops.kimi_kernels.skinny_bmm(torch.zeros(12, 1, 128), torch.zeros(12, 512, 128))
 
 
 @pytest.mark.parametrize("M", [8, 16])
