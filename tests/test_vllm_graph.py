@@ -182,7 +182,7 @@ def tp1_capture_and_numerics(steps):
     result["graphs"], result["ops"] = len(graphs), vllm_cpu.op_counts(graphs[0])
     result["rope_mla_report"] = lower_with_rope_mla(graphs[0])
     result["mla_pair"] = mla_pair_against_ours()
-    result.update(eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, ours_at_every_block,
+    result.update(eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, ours_everywhere,
                                                                                  EVERY_PASS, BYTE_PAGES)))
     return result
 
@@ -238,12 +238,14 @@ def mla_pair_against_ours():
     return results
 
 
-def ours_at_every_block():
+def ours_everywhere():
     """Make lower_kernels choose our AttnRes kernel over vLLM's (on H200 it keeps vLLM's:
-    kernels/attn_res.py), so the swap itself is exercised."""
-    from kimi_inductor.kernels import attn_res
+    kernels/attn_res.py) and our per-head GEMM over the bmm at this config's MLA shapes
+    (on H200 only at TP8 shapes, one row), so those rewrites of vLLM's graph are exercised."""
+    from kimi_inductor.kernels import attn_res, skinny_gemm
 
     attn_res.FASTER_THAN_VLLM_AT_BLOCKS = frozenset(range(64))
+    skinny_gemm.FASTEST_BMM = {(8, 16, 512): 64, (8, 512, 16): 64}  # 8 heads, nope 16 / v 16, latent 512
 
 
 def replica_row_errors(vllm_config, model, batch, steps):
@@ -358,7 +360,7 @@ def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
     (mega_moe); lower_kernels replaces vLLM's KDA core group (conv update, recurrence,
     gated norm) by our fused kernel on vLLM's paged states and vLLM's MLA insert +
     decode pair by our MLA op on its paged latent cache, keeps vLLM's AttnRes kernel
-    (faster on H200) unless told ours is faster, then swaps it. The bf16 band over 8
+    (faster on H200) and MLA's bmms unless told ours are faster, then swaps them. The bf16 band over 8
     steps either way; one graph each, compiled once."""
     assert [len(r) for r in tp1["reports"]] == [1, 1, 1] and len(tp1["eager"]) == 8
     kept, swapped = (r[0] for r in tp1["reports"][:2])
@@ -371,6 +373,7 @@ def test_tp1_kimi_specialized_agrees_with_vllm_eager(tp1):
     for layer in swapped["layers"]:
         assert layer["rewritten_by"] == ["mega_moe"] * (layer["index"] > 0) + ["lower_kernels"], layer
         assert "AttnRes: fused x2" in layer["notes"]["kernels"]
+        assert ("per-head GEMM x2" in layer["notes"]["kernels"]) == (layer["kind"] == "mla"), layer
     assert kept["layout"] == "single"
     for compiled in tp1["compiled"]:
         assert_in_band(tp1["eager"], compiled)
