@@ -157,8 +157,9 @@ def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch
     if impl == "cublas":
         return reference(x, weight, acc, out_dtype)
     assert weight.stride(1) == 1 and (acc is None or acc.is_contiguous())
-    run = _cute().run if impl == "cute_gemv" else tl_dot.run
-    return run(x.contiguous(), weight if impl == "tl_dot" else weight.contiguous(), acc, out_dtype)
+    if impl == "cute_gemv":  # reads a row-strided x in place
+        return _cute().run(x, weight.contiguous(), acc, out_dtype)
+    return tl_dot.run(x if x.stride(1) == 1 else x.contiguous(), weight, acc, out_dtype)
 
 
 skinny_mm.register_fake(_fake)
@@ -189,7 +190,7 @@ def rms_norm_mm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, acc:
                 out_dtype: torch.dtype) -> Tensor:
     if _fused_here(x, "rms_norm", weight):
         cg = _cute()
-        return cg.run(x.contiguous(), weight.contiguous(), acc, out_dtype, fusion=cg.Fusion(eps=eps),
+        return cg.run(x, weight.contiguous(), acc, out_dtype, fusion=cg.Fusion(eps=eps),
                       norm_weight=norm_weight.contiguous())
     return skinny_mm(rms_norm(x, norm_weight, eps), weight, acc, out_dtype)
 
@@ -203,7 +204,7 @@ def _(x, norm_weight, eps, weight, acc, out_dtype):
 def mm_situ(x: Tensor, weight: Tensor, beta: float, linear_beta: float) -> Tensor:
     if _fused_here(x, "situ", weight):
         cg = _cute()
-        return cg.run(x.contiguous(), weight.contiguous(), None, x.dtype, fusion=cg.Fusion(situ=(beta, linear_beta)))
+        return cg.run(x, weight.contiguous(), None, x.dtype, fusion=cg.Fusion(situ=(beta, linear_beta)))
     return situ_and_mul(skinny_mm(x, weight, None, x.dtype), beta, linear_beta)
 
 

@@ -3,7 +3,8 @@
 At M <= 8 a decode GEMM is a weight stream: the CUDA cores keep up with 4.28 TB/s (M FMAs
 per weight element), so the kernel needs no tensor cores, only many bytes in flight.
 
-Layout of the work. x [M, K] and W [N, K] are K-contiguous bf16. A CTA of WARPS warps owns
+Layout of the work. x [M, K] and W [N, K] are K-contiguous bf16 (x's rows may be a
+column slice of a wider tensor: its row stride is compiled in, ``row_stride``). A CTA of WARPS warps owns
 WARPS * R consecutive outputs n and one K chunk of K / SPLIT; warp w takes outputs
 n0 + w R .. n0 + w R + R - 1. Its 32 lanes stride the chunk in 16-byte vectors (8 elements,
 256 per warp step); each step issues R streaming weight loads (evict-first: the weights
@@ -51,7 +52,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, const_expr
 from cuda.bindings.driver import CUstream
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from ..common import SMS, pdl
 
@@ -626,21 +627,35 @@ def _fake(dtype, shape):
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False):
+                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
-    N: the weight's rows; ``pdl``: launched with programmatic dependent launch."""
+    N: the weight's rows; ``pdl``: launched with programmatic dependent launch;
+    ``x_stride``: x's row stride (``row_stride``), K when omitted."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
                         fusion, K, pdl=pdl)
     n_out = N // 2 if fusion.situ else N
-    args = (_fake(torch.bfloat16, (M, K)), _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
+    x = make_fake_tensor(cutlass.BFloat16, (M, K), (x_stride or K, 1), assumed_align=16)
+    args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
             _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
             _fake(torch.float32, (cfg.split, M, N + (fusion.eps is not None))),
             _fake(torch.int32, (tiles(n_out, cfg),)),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # launches on torch's current stream
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *args, options=options)
+
+
+def row_stride(x: torch.Tensor) -> int | None:
+    """x's row stride where the GEMV can read x in place (K-contiguous rows, 16-byte
+    aligned: a column slice of a wider activation, e.g. MLA's q_a part of the fused
+    q_a / kv_a / gate output), else None (``run`` copies it). One row: K."""
+    M, K = x.shape
+    if x.stride(1) != 1 or x.data_ptr() % 16:
+        return None
+    if M == 1 or x.stride(0) == K:
+        return K
+    return x.stride(0) if x.stride(0) % VEC == 0 else None
 
 
 def tiles(N: int, cfg: Config) -> int:
@@ -657,13 +672,17 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     n_out = N // 2 if fusion.situ else N
     cfg = cfg or fused_config(M, N, K, fusion)
     on = bool(pdl(x.device)["PDL"])
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, x.device.index)
+    stride = row_stride(x)
+    if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
+        x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
         counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
-        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on), counters
+        _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
+                                       x_stride=stride), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
     ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)

@@ -117,14 +117,30 @@ def test_cute_gemv_matches_torch(M, N, K, out_dtype, with_acc):
 
 
 @needs_cute
-@pytest.mark.parametrize("M, N, K, pdl", [(1, 6288, 7168, True), (8, 896, 7168, False), (4, 2304, 1536, True)])
-def test_cute_gemv_compiles_for_sm90a(M, N, K, pdl):
+@pytest.mark.parametrize("M, N, K, pdl, x_stride", [(1, 6288, 7168, True, None), (8, 896, 7168, False, None),
+                                                    (4, 2304, 1536, True, None), (2, 2304, 1536, True, 3648)])
+def test_cute_gemv_compiles_for_sm90a(M, N, K, pdl, x_stride):
+    """Also with x a column slice of a wider activation (MLA's q_a in the fused q_a / kv_a /
+    gate output, 3648 wide at TP8), read in place."""
     from kimi_inductor.kernels.skinny_gemm import cute_gemv
 
     cfg = cute_gemv.config(M, N, K)
     assert not cute_gemv.supported(M, N, K, cfg)
-    exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=pdl)
+    exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=pdl, x_stride=x_stride)
     assert exe.has_gpu_module
+
+
+@needs_cute
+def test_cute_gemv_reads_row_strided_x_where_aligned():
+    """``row_stride``: the compiled row stride, or None where ``run`` must copy x."""
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    wide = torch.empty(4, 3648, dtype=torch.bfloat16)
+    assert cute_gemv.row_stride(wide[:, :1536]) == 3648 and cute_gemv.row_stride(wide[:, 1536:3584]) == 3648
+    assert cute_gemv.row_stride(wide[:1, 1536:3584]) == 2048  # one row: K
+    assert cute_gemv.row_stride(wide[:, 4:1540]) is None  # 8-byte aligned rows
+    assert cute_gemv.row_stride(torch.empty(4, 1539, dtype=torch.bfloat16)[:, :1536]) is None  # odd row stride
+    assert cute_gemv.row_stride(wide[:, :1536].t().contiguous().t()) is None  # column-major
 
 
 def test_dispatch_names_its_reason():
@@ -135,6 +151,28 @@ def test_dispatch_names_its_reason():
     assert skinny_gemm.choose(1, 6288, 7168, torch.bfloat16) == (
         ("cute_gemv", "") if not skinny_gemm.cute_available() else ("cublas", skinny_gemm.cute_available()))
     assert skinny_gemm.choose(1, 6288, 7168, torch.float32)[0] == "cublas"  # the GEMV reads bf16 only
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [2, 5])
+def test_cute_gemv_on_a_column_slice_equals_it_on_a_copy(M):
+    """x a column slice of a wider activation (read in place, no copy kernel): the same
+    bits as on a compact copy, plain and with the RMSNorm prologue."""
+    N, K = 2304, 1536
+    (x, w, acc), want = operands(M, N, K, torch.bfloat16, True)
+    wide = torch.randn(M, 3648, device=DEVICE).to(torch.bfloat16)
+    wide[:, 1536:3072] = x
+    view = wide[:, 1536:3072]
+    norm = torch.randn(K, device=DEVICE).to(torch.bfloat16)
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    for fusion, nw in ((cute_gemv.PLAIN, None), (cute_gemv.Fusion(eps=1e-6), norm)):
+        a = cute_gemv.run(view, w, acc, torch.bfloat16, fusion=fusion, norm_weight=nw)
+        b = cute_gemv.run(x.contiguous(), w, acc, torch.bfloat16, fusion=fusion, norm_weight=nw)
+        assert torch.equal(a, b)
+    check(cute_gemv.run(view, w, acc, torch.bfloat16), want, torch.bfloat16)
 
 
 @pytest.mark.gpu
