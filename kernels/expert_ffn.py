@@ -348,14 +348,14 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
         BK = math.gcd(BK, L, I)
         assert w13_scale.is_contiguous() and w2_scale.is_contiguous() and BK % 32 == 0
     order, starts, counts, position = group_pairs(topk_ids, E)
-    pairs = T * top_k
-    h = latent.new_empty(pairs, I)
-    y = torch.empty(pairs, L, dtype=torch.float32, device=latent.device)
+    n_pairs = T * top_k
+    h = latent.new_empty(n_pairs, I)
+    y = torch.empty(n_pairs, L, dtype=torch.float32, device=latent.device)
     out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
-    tiles = dict(BM=BM or block_rows(pairs, E), BN=BN, BK=BK)
+    tiles = dict(BM=BM or block_rows(n_pairs, E), BN=BN, BK=BK)
     launch = pdl(latent.device)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, PAIRS=pairs, num_warps=num_warps,
+                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, PAIRS=mxfp4 and pairs, num_warps=num_warps,
                  num_stages=num_stages, maxnreg=maxnreg, **launch)
     _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order, starts,
                                         counts, h, L, I, beta, linear_beta, TOP_K=top_k, **tiles, **flags)

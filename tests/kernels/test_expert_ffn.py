@@ -161,6 +161,34 @@ def test_mxfp4_tile_in_pair_order_computes_the_same_experts(T, k):
         assert ((got - base).abs() <= 2**-7 * base.abs().amax(1, keepdim=True) + 1e-6).all()
 
 
+@pytest.mark.parametrize("pairs", [False, True])
+def test_mxfp4_tile_order_is_the_one_asked_for(monkeypatch, pairs):
+    """The kernels launch with PAIRS exactly as ``grouped`` is asked (it once took the
+    pair count, so every MXFP4 launch ran in pair order, K order never timed)."""
+    E, L, I = MX_SHAPES[0]
+    latent, weights, ids, w13, w2 = _inputs(2, 4, E, L, I, torch.zeros(2, 4, dtype=torch.int32))
+    (q13, s13), (q2, s2) = _mxfp4(w13), _mxfp4(w2)
+    seen = []
+    for name in ("_up_kernel", "_down_kernel"):
+        kernel = getattr(X, name)
+        monkeypatch.setattr(X, name, _Spy(kernel, seen))
+    X.grouped(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2, pairs=pairs)
+    assert seen == [pairs, pairs]
+
+
+class _Spy:
+    """A Triton kernel that records the PAIRS of each launch, then launches."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append(kwargs["PAIRS"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 def test_mxfp4_upcast_is_exact_for_every_e8m0_scale():
     """E8M0 scales 100..160 (2^-27..2^33, beyond the 2^1 where a one-multiply upcast
     overflows) and every code: the MXFP4 experts give what the same kernels give on their
