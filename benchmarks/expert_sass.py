@@ -2,7 +2,7 @@
 for sm_90a on the CPU (no GPU needed) as they launch on the H200: default tile (BN 64,
 BK 256, 4 warps, one stage), 16-divisible pointers, L and I, the register cap.
 
-    python benchmarks/expert_sass.py [--maxnreg 128] [--bn 64] [--bk 256] [--pairs]
+    python benchmarks/expert_sass.py [--maxnreg 128] [--bn 64] [--bk 256]
 
 The loop is the innermost backward branch whose body holds the HGMMA (HMMA for tiles
 below 64 weight rows); per value = its instructions / (weight rows of the tile x BK / 128
@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 from kimi_inductor.kernels import expert_ffn as X
 
-TILES = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PAIRS": False, "PDL": True}
+TILES = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PDL": True}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -51,9 +51,8 @@ def main() -> None:
     p.add_argument("--maxnreg", type=int, default=128, help="the register cap (0: none)")
     p.add_argument("--bn", type=int, default=TILES["BN"], help="weight rows per tile (the up kernel's: 2 BN)")
     p.add_argument("--bk", type=int, default=TILES["BK"], help="K per step")
-    p.add_argument("--pairs", action="store_true", help="the tile in the upcast's pair order (PAIRS)")
     args = p.parse_args()
-    tiles = {**TILES, "BN": args.bn, "BK": args.bk, "PAIRS": args.pairs}
+    tiles = {**TILES, "BN": args.bn, "BK": args.bk}
     for name, source in X.sm90_sources(tiles).items():
         body = k_loop(source, args.maxnreg or None)
         rows = tiles["BN"] * (2 if name == "up" else 1)  # the up kernel's tile: gate and up rows

@@ -117,8 +117,8 @@ def main(argv=None) -> Results:
     p.add_argument("--skew", type=float, default=0.0, help="routing skew: per-expert logit bias std (0: uniform)")
     p.add_argument("--mxfp4", action="store_true", help="also our kernel on MXFP4 experts (random codes and scales)")
     p.add_argument("--mxfp4-tiles", nargs="+", default=["64,256,4,1", "64,128,4,3"],
-                   help="MXFP4 tiles to time, each BN,BK,num_warps,num_stages[,maxnreg][,p] (maxnreg 0: no register "
-                        "cap, left out: the kernel's default; p: the tile in the upcast's pair order)")
+                   help="MXFP4 tiles to time, each BN,BK,num_warps,num_stages[,maxnreg] (maxnreg 0: no register "
+                        "cap, left out: the kernel's default)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--json")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only plot an --mxfp4 run's JSON (matplotlib)")
@@ -175,16 +175,12 @@ def main(argv=None) -> Results:
                     mine, bf16 = (X.grouped(*mx, BETA, LINEAR_BETA, *scales),
                                   X.grouped(latent, weights, ids, *deq, BETA, LINEAR_BETA))
                     row["mxfp4_rel_err"] = float(((mine - bf16).norm(dim=1) / bf16.norm(dim=1)).max())
-                    paired = X.grouped(*mx, BETA, LINEAR_BETA, *scales, pairs=True)
-                    row["mxfp4_pairs_rel_err"] = float(((paired - bf16).norm(dim=1) / bf16.norm(dim=1)).max())
                     del deq
                 for tile in args.mxfp4_tiles:
-                    spec = tile.split(",")
-                    pairs = spec[-1] == "p"
-                    bn, bk, w, st, *cap = map(int, spec[:-1] if pairs else spec)
+                    bn, bk, w, st, *cap = map(int, tile.split(","))
                     row[f"mxfp4_{tile.replace(',', '_')}_us"] = graph_time_us(
                         lambda i: X.grouped(*mx, BETA, LINEAR_BETA, *scales, BN=bn, BK=bk, num_warps=w, num_stages=st,
-                                            maxnreg=cap[0] if cap else None, pairs=pairs), calls=5, replays=5)
+                                            maxnreg=cap[0] if cap else None), calls=5, replays=5)
                 if E <= 128:  # Inductor: dequantise every local expert, then the capturable dense math
                     row["inductor_dequant_dense_us"] = graph_time_us(lambda i: inductor_dequant(*mx, *scales), calls=2,
                                                                      replays=3)

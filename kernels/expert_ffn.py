@@ -109,17 +109,6 @@ if triton is not None:
         scale = tl.exp2(scales.to(tl.float32) - 127.0)
         return (_e2m1(codes & 15) * scale).to(tl.bfloat16), (_e2m1(codes >> 4) * scale).to(tl.bfloat16)
 
-    @triton.jit
-    def _in_pair_order(t, ROWS: tl.constexpr, BK: tl.constexpr):
-        """t [ROWS, BK] with its columns in ``_pair_order`` (a permutation in registers)."""
-        return tl.reshape(tl.permute(tl.reshape(t, [ROWS, BK // 4, 2, 2]), [0, 1, 3, 2]), [ROWS, BK])
-
-    @triton.jit
-    def _pair_order(j):
-        """K order of a PAIRS tile: column j holds k = j with bits 0 and 1 swapped (an
-        involution within each 4 columns; ``_mxfp4_matmul``)."""
-        return j ^ (((j >> 1) ^ j) & 1) * 3
-
     # E2M1 codes + E8M0 scales -> bf16, 4 bytes (8 values) per call, in integer and
     # packed-bf16 instructions (about 4.5 per value; Triton's own dot_scaled upcast took
     # twice the time). Per pair of bytes [b0, b1]: each nibble's magnitude bits (e1 e0 m)
@@ -157,17 +146,14 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_matmul(x_rows, xmask, w_ptr, s_ptr, rows, wmask_n, K, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, DOT_F32: tl.constexpr, PAIRS: tl.constexpr, X_PAIRED: tl.constexpr):
+                      BK: tl.constexpr, DOT_F32: tl.constexpr):
         """x[:, :K] W[rows]^T -> [BM, BN] fp32 for an MXFP4 W [N, K / 2 bytes] + scales [N, K / 32].
 
         The weight is the left operand (W x^T: the tile [BN, BK / 2] read as stored,
         K-contiguous, upcast to bf16 in registers by ``_e2m1_bf16``, or ``_e2m1_exact`` for
         fp32 x and in the interpreter; the few rows of x are the right operand), transposed
-        once at the end. The upcast gives each byte's (even, odd) values; the tile's columns
-        interleave them in K order, or with PAIRS keep the upcast's register pairs: bytes 2q
-        and 2q + 1 give columns 4q .. 4q + 3 as (even, even, odd, odd), i.e. k in
-        ``_pair_order``, consecutive-column pairs as the MMA operand packs them, and x is
-        read in that order (X_PAIRED: x is stored so, ``_up_kernel``'s h)."""
+        once at the end; the upcast's (even, odd) values of each byte interleave into K
+        order."""
         KB = tl.multiple_of(K // 2, 16)  # bytes per weight row (K % BK == 0: no mask along K)
         KS = tl.multiple_of(K // 32, 4)
         w_ptrs = w_ptr + rows[:, None] * KB + tl.arange(0, BK // 2)[None, :]
@@ -181,20 +167,15 @@ if triton is not None:
                 even, odd = _e2m1_exact(w, s)
             else:
                 even, odd = _e2m1_bf16(w, s)
-            tile = tl.reshape(tl.join(even, odd), [BN, BK])  # K order
-            if PAIRS:
-                tile = _in_pair_order(tile, BN, BK)
+            tile = tl.reshape(tl.join(even, odd), [BN, BK])
             x_t = tl.load(x_rows + (k0 + tl.arange(0, BK))[None, :], mask=xmask[:, None], other=0.0)
-            if PAIRS and not X_PAIRED:
-                x_t = _in_pair_order(x_t, BM, BK)
             acc_t = _dot(tile, tl.trans(x_t), acc_t, DOT_F32)
         return tl.trans(acc_t)
 
     @triton.jit
     def _up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta,
                    linear_beta, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr, PAIRS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
@@ -203,7 +184,6 @@ if triton is not None:
         start = tl.load(starts_ptr + e)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < I
-        h_cols = _pair_order(rn) if MXFP4 and PAIRS else rn  # h in the down kernel's K order
         w_base = w13_ptr + e.to(tl.int64) * 2 * I * (L // 2 if MXFP4 else L)
         s_base = s13_ptr + e.to(tl.int64) * 2 * I * (L // 32)
         for m0 in range(0, count, BM):
@@ -215,7 +195,7 @@ if triton is not None:
                 j = tl.arange(0, 2 * BN)
                 col = tl.program_id(1) * BN + j % BN
                 acc = _mxfp4_matmul(x_rows, mmask, w_base, s_base, col + (j // BN) * I, col < I, L, BM, 2 * BN, BK,
-                                    DOT_F32, PAIRS, False)
+                                    DOT_F32)
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
             else:
                 acc_g = tl.zeros([BM, BN], dtype=tl.float32)
@@ -232,13 +212,13 @@ if triton is not None:
             gate = bf16_round(acc_g, ROUND)
             up = bf16_round(acc_u, ROUND)
             act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
-            tl.store(h_ptr + (start + rm)[:, None].to(tl.int64) * I + h_cols[None, :],
+            tl.store(h_ptr + (start + rm)[:, None].to(tl.int64) * I + rn[None, :],
                      bf16_round(act, ROUND).to(h_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
     def _down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, L, I,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                     ROUND: tl.constexpr, MXFP4: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+                     ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         e = tl.program_id(0)
         count = tl.load(counts_ptr + e)
@@ -254,7 +234,7 @@ if triton is not None:
             mmask = rm < count
             h_rows = h_ptr + (start + rm)[:, None].to(tl.int64) * I
             if MXFP4:
-                acc = _mxfp4_matmul(h_rows, mmask, w_base, s_base, rn, nmask, I, BM, BN, BK, DOT_F32, PAIRS, True)
+                acc = _mxfp4_matmul(h_rows, mmask, w_base, s_base, rn, nmask, I, BM, BN, BK, DOT_F32)
             else:
                 acc = tl.zeros([BM, BN], dtype=tl.float32)
                 for k0 in range(0, I, BK):
@@ -325,10 +305,9 @@ def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tens
 def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
             linear_beta: float, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
             BM: int | None = None, BN: int | None = None, BK: int | None = None, num_stages: int | None = None,
-            num_warps: int = 4, maxnreg: int | None = None, pairs: bool = False) -> Tensor:
+            num_warps: int = 4, maxnreg: int | None = None) -> Tensor:
     """The Triton implementation (MXFP4 weights when their scales are given); tile sizes
-    and a register cap (``maxnreg``: more programs per SM; 0 for none), and for MXFP4 the
-    tile order (``pairs``: ``_mxfp4_matmul``'s PAIRS, under measurement) as arguments for
+    and a register cap (``maxnreg``: more programs per SM; 0 for none) as arguments for
     the benchmark's sweep. Defaults, measured on H200 (``benchmarks/moe_experts.py``): bf16 BN 32 (64
     within 1%), BK 128, 3 stages; MXFP4 BN 64 (its up tile is 2 BN rows of gate and up),
     BK 256, 1 stage (8-30 % faster than BK 128 / 3 stages, BN 32 and 128 slower; loading
@@ -355,7 +334,7 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     tiles = dict(BM=BM or block_rows(n_pairs, E), BN=BN, BK=BK)
     launch = pdl(latent.device)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, PAIRS=mxfp4 and pairs, num_warps=num_warps,
+                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, num_warps=num_warps,
                  num_stages=num_stages, maxnreg=maxnreg, **launch)
     _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order, starts,
                                         counts, h, L, I, beta, linear_beta, TOP_K=top_k, **tiles, **flags)

@@ -85,16 +85,14 @@ def test_per_head_gemm_compiles_for_sm90_with_pdl_and_strided_operands(K, N, uni
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
-@pytest.mark.parametrize("mxfp4, pairs, dot_f32", [(False, False, False), (True, False, False), (True, True, False),
-                                                    (True, True, True), (True, False, True)])
-def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4, pairs, dot_f32):
+@pytest.mark.parametrize("mxfp4, dot_f32", [(False, False), (True, False), (True, True)])
+def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4, dot_f32):
     """The grouped expert kernels with the weights in registers from bf16 or MXFP4 (uint8
     codes + E8M0 scales, dequantised to bf16 for the tensor-core dot, or for fp32
-    activations' IEEE dot), the MXFP4 tile in K order or in the upcast's pair order."""
+    activations' IEEE dot)."""
     from kimi_inductor.kernels import expert_ffn
 
-    tiles = {"BM": 16, "BN": 32, "BK": 128, "DOT_F32": dot_f32, "ROUND": not dot_f32, "MXFP4": mxfp4, "PAIRS": pairs,
-             "PDL": True}
+    tiles = {"BM": 16, "BN": 32, "BK": 128, "DOT_F32": dot_f32, "ROUND": not dot_f32, "MXFP4": mxfp4, "PDL": True}
     for source in expert_ffn.sm90_sources(tiles).values():
         compiled = triton.compile(source, target=SM90, options={"num_warps": 4, "num_stages": 3})
         assert ".target sm_90" in compiled.asm["ptx"]
@@ -113,8 +111,7 @@ def test_mxfp4_expert_kernels_fit_their_register_cap():
 
     from kimi_inductor.kernels import expert_ffn
 
-    tiles = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PAIRS": False,
-             "PDL": True}
+    tiles = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PDL": True}
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     for name, source in expert_ffn.sm90_sources(tiles).items():
         ptx = triton.compile(source, target=SM90, options={"num_warps": 4, "num_stages": 1, "maxnreg": 128}).asm["ptx"]

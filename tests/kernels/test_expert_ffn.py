@@ -141,54 +141,6 @@ def test_mxfp4_experts_are_the_experts_of_their_dequantised_weights(T, k, E, L, 
     assert ((got - want).abs() <= 2**-5 * want.abs().amax(1, keepdim=True) + 1e-6).all()
 
 
-@pytest.mark.parametrize("T, k", [(1, 16), (8, 16)])
-def test_mxfp4_tile_in_pair_order_computes_the_same_experts(T, k):
-    """``grouped(pairs=True)``: the weight tile in the upcast's pair order, x read in that
-    order and h written in it for the down kernel: the experts of the dequantised
-    weights, and what the K-order tile gives up to fp32 summation order."""
-    E, L, I = MX_SHAPES[0]
-    g = torch.Generator().manual_seed(T * k + 5)
-    ids = torch.randint(-1, 2 * E, (T, k), generator=g)
-    latent, weights, ids, w13, w2 = _inputs(T, k, E, L, I, ids, seed=T + 5)
-    (q13, s13), (q2, s2) = _mxfp4(w13), _mxfp4(w2)
-    want = X.reference(latent, weights, ids, dequantize_experts(q13, s13), dequantize_experts(q2, s2), 4.0, 25.0)
-    for BK in (None, 32):
-        got = X.grouped(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2, BK=BK, pairs=True)
-        base = X.grouped(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2, BK=BK)
-        for other in (want, base):
-            err = (got - other).norm(dim=1) / other.norm(dim=1).clamp_min(1e-6)
-            assert err.max() < 1e-2, f"row relative error {err.max():.2e}"
-        assert ((got - base).abs() <= 2**-7 * base.abs().amax(1, keepdim=True) + 1e-6).all()
-
-
-@pytest.mark.parametrize("pairs", [False, True])
-def test_mxfp4_tile_order_is_the_one_asked_for(monkeypatch, pairs):
-    """The kernels launch with PAIRS exactly as ``grouped`` is asked (it once took the
-    pair count, so every MXFP4 launch ran in pair order, K order never timed)."""
-    E, L, I = MX_SHAPES[0]
-    latent, weights, ids, w13, w2 = _inputs(2, 4, E, L, I, torch.zeros(2, 4, dtype=torch.int32))
-    (q13, s13), (q2, s2) = _mxfp4(w13), _mxfp4(w2)
-    seen = []
-    for name in ("_up_kernel", "_down_kernel"):
-        kernel = getattr(X, name)
-        monkeypatch.setattr(X, name, _Spy(kernel, seen))
-    X.grouped(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2, pairs=pairs)
-    assert seen == [pairs, pairs]
-
-
-class _Spy:
-    """A Triton kernel that records the PAIRS of each launch, then launches."""
-
-    def __init__(self, kernel, seen):
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.seen.append(kwargs["PAIRS"])
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_mxfp4_upcast_is_exact_for_every_e8m0_scale():
     """E8M0 scales 100..160 (2^-27..2^33, beyond the 2^1 where a one-multiply upcast
     overflows) and every code: the MXFP4 experts give what the same kernels give on their
