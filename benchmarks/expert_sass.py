@@ -1,6 +1,7 @@
 """SASS instructions per weight value in the K loop of the MXFP4 expert kernels, compiled
 for sm_90a on the CPU (no GPU needed) as they launch on the H200: default tile (BN 64,
-BK 256, 4 warps, one stage), 16-divisible pointers, L and I, the register cap.
+BK 256, 4 warps, one stage, L2 prefetch one step ahead), 16-divisible pointers, L and
+I, the register cap.
 
     python benchmarks/expert_sass.py [--maxnreg 128] [--bn 64] [--bk 256]
 
@@ -22,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 
 from kimi_inductor.kernels import expert_ffn as X
 
-TILES = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PDL": True}
+TILES = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PREFETCH": 1,
+         "SCAN": 128, "PDL": True}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 

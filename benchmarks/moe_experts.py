@@ -114,11 +114,14 @@ def main(argv=None) -> Results:
     p.add_argument("--bn", type=int, nargs="+", default=[32, 64])
     p.add_argument("--bm", type=int, nargs="+", default=[],
                    help="also time these pair blocks BM (default: the rule, expert_ffn.block_rows)")
+    p.add_argument("--full-grid", action="store_true",
+                   help="also time our bf16 kernel with programs for every local expert (grouped(compact=False))")
     p.add_argument("--skew", type=float, default=0.0, help="routing skew: per-expert logit bias std (0: uniform)")
     p.add_argument("--mxfp4", action="store_true", help="also our kernel on MXFP4 experts (random codes and scales)")
     p.add_argument("--mxfp4-tiles", nargs="+", default=["64,256,4,1", "64,128,4,3"],
-                   help="MXFP4 tiles to time, each BN,BK,num_warps,num_stages[,maxnreg] (maxnreg 0: no register "
-                        "cap, left out: the kernel's default)")
+                   help="MXFP4 tiles to time, each BN,BK,num_warps,num_stages[,maxnreg[,prefetch[,compact]]] (maxnreg "
+                        "0: no register cap, left out: the kernel's default; prefetch: L2 prefetch distance in K "
+                        "steps; compact 0: programs for every local expert)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--json")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only plot an --mxfp4 run's JSON (matplotlib)")
@@ -165,6 +168,9 @@ def main(argv=None) -> Results:
             for bn in args.bn:
                 t = graph_time_us(lambda i: X.grouped(*a, BETA, LINEAR_BETA, BN=bn), calls=5, replays=5)
                 row[f"ours_bn{bn}_us"] = t
+                if args.full_grid:
+                    row[f"ours_bn{bn}_full_grid_us"] = graph_time_us(
+                        lambda i: X.grouped(*a, BETA, LINEAR_BETA, BN=bn, compact=False), calls=5, replays=5)
             best = min(row[f"ours_bn{bn}_us"] for bn in args.bn)
             row["ours_us"], row["ours_of_ceiling"] = best, fl / best
             if args.mxfp4:
@@ -178,9 +184,10 @@ def main(argv=None) -> Results:
                     del deq
                 for tile in args.mxfp4_tiles:
                     bn, bk, w, st, *cap = map(int, tile.split(","))
+                    cap, ahead, compact = (cap + [None, None, 1])[:3]
                     row[f"mxfp4_{tile.replace(',', '_')}_us"] = graph_time_us(
                         lambda i: X.grouped(*mx, BETA, LINEAR_BETA, *scales, BN=bn, BK=bk, num_warps=w, num_stages=st,
-                                            maxnreg=cap[0] if cap else None), calls=5, replays=5)
+                                            maxnreg=cap, prefetch=ahead, compact=bool(compact)), calls=5, replays=5)
                 if E <= 128:  # Inductor: dequantise every local expert, then the capturable dense math
                     row["inductor_dequant_dense_us"] = graph_time_us(lambda i: inductor_dequant(*mx, *scales), calls=2,
                                                                      replays=3)

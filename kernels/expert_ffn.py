@@ -17,11 +17,12 @@ weight-streaming GEMM:
 
   1. sort the pairs by expert (``torch.argsort``, stable) and count them per expert
      (scatter-add): capturable in CUDA graphs, no host synchronisation;
-  2. ``_up_kernel``, one program per (expert, BN columns of I): gathers its pairs'
-     latent rows, streams the gate and up slabs of W13_e, applies SiTU, writes h [P, I]
-     in pair order; programs of experts without pairs return at once;
-  3. ``_down_kernel``, one program per (expert, BN columns of L): h rows of the expert
-     times W2_e, rounded to bf16, times the pair's routing weight -> y [P, L] fp32;
+  2. ``_up_kernel``, one program per (expert slot, BN columns of I): slot i takes the
+     i-th expert with pairs (``_expert``; min(E, T k) slots, so at one row 16 slots, not
+     E), gathers its pairs' latent rows, streams the gate and up slabs of W13_e, applies
+     SiTU, writes h [P, I] in pair order; slots left without an expert return at once;
+  3. ``_down_kernel``, one program per (expert slot, BN columns of L): h rows of the
+     expert times W2_e, rounded to bf16, times the pair's routing weight -> y [P, L] fp32;
   4. ``_combine_kernel``: out[t] = the sum of its pairs' y rows, in slot order
      (deterministic; no atomics).
 
@@ -138,6 +139,13 @@ if triton is not None:
                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
     @triton.jit
+    def _prefetch_l2(ptrs):
+        """Starts moving the 128-byte line at each of ``ptrs`` from HBM into L2 (no
+        register written, nothing waited on)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def _dot(a, b, acc, DOT_F32: tl.constexpr):
         if DOT_F32:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -146,20 +154,27 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_matmul(x_rows, xmask, w_ptr, s_ptr, rows, wmask_n, K, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, DOT_F32: tl.constexpr):
+                      BK: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr):
         """x[:, :K] W[rows]^T -> [BM, BN] fp32 for an MXFP4 W [N, K / 2 bytes] + scales [N, K / 32].
 
         The weight is the left operand (W x^T: the tile [BN, BK / 2] read as stored,
         K-contiguous, upcast to bf16 in registers by ``_e2m1_bf16``, or ``_e2m1_exact`` for
         fp32 x and in the interpreter; the few rows of x are the right operand), transposed
         once at the end; the upcast's (even, odd) values of each byte interleave into K
-        order."""
+        order. PREFETCH > 0: each K step first asks L2 for the codes and scales of the
+        step PREFETCH ahead (one line per row each), so HBM reads run ahead of the
+        registers' one-stage loop."""
         KB = tl.multiple_of(K // 2, 16)  # bytes per weight row (K % BK == 0: no mask along K)
         KS = tl.multiple_of(K // 32, 4)
         w_ptrs = w_ptr + rows[:, None] * KB + tl.arange(0, BK // 2)[None, :]
         s_ptrs = s_ptr + rows[:, None] * KS + tl.arange(0, BK // 32)[None, :]
+        safe_rows = tl.where(wmask_n, rows, 0)
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, K, BK):
+            if PREFETCH > 0:
+                ahead = tl.minimum(k0 + PREFETCH * BK, K - BK)
+                _prefetch_l2(w_ptr + safe_rows * KB + ahead // 2)
+                _prefetch_l2(s_ptr + safe_rows * KS + ahead // 32)
             w = tl.load(w_ptrs + k0 // 2, mask=wmask_n[:, None], other=0)
             s = tl.load(s_ptrs + k0 // 32, mask=wmask_n[:, None], other=127)
             s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, BK // 32, 16]), [BN, BK // 2])
@@ -173,12 +188,29 @@ if triton is not None:
         return tl.trans(acc_t)
 
     @triton.jit
-    def _up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, L, I, beta,
+    def _expert(counts_ptr, E, SCAN: tl.constexpr):
+        """The local expert of this program's row of the grid: with SCAN (a power of two
+        >= E) the grid has a row per expert slot, and slot i takes the i-th expert with
+        pairs (E if none is left: the program reads no count and returns); SCAN 0:
+        the grid has a row per expert."""
+        slot = tl.program_id(0)
+        if SCAN == 0:
+            e = slot
+        else:
+            ids = tl.arange(0, SCAN)
+            busy = (tl.load(counts_ptr + ids, mask=ids < E, other=0) > 0).to(tl.int32)
+            hit = (busy != 0) & (tl.cumsum(busy, 0) == slot + 1)
+            e = tl.sum(tl.where(hit, ids, 0)) + (1 - tl.sum(hit.to(tl.int32))) * E
+        return e
+
+    @triton.jit
+    def _up_kernel(x_ptr, stride_x, w13_ptr, s13_ptr, order_ptr, starts_ptr, counts_ptr, h_ptr, E, L, I, beta,
                    linear_beta, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
+                   DOT_F32: tl.constexpr, ROUND: tl.constexpr, MXFP4: tl.constexpr, PREFETCH: tl.constexpr,
+                   SCAN: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
-        e = tl.program_id(0)
-        count = tl.load(counts_ptr + e)
+        e = _expert(counts_ptr, E, SCAN)
+        count = tl.load(counts_ptr + e, mask=e < E, other=0)
         if count == 0:
             return
         start = tl.load(starts_ptr + e)
@@ -195,7 +227,7 @@ if triton is not None:
                 j = tl.arange(0, 2 * BN)
                 col = tl.program_id(1) * BN + j % BN
                 acc = _mxfp4_matmul(x_rows, mmask, w_base, s_base, col + (j // BN) * I, col < I, L, BM, 2 * BN, BK,
-                                    DOT_F32)
+                                    DOT_F32, PREFETCH)
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
             else:
                 acc_g = tl.zeros([BM, BN], dtype=tl.float32)
@@ -216,12 +248,13 @@ if triton is not None:
                      bf16_round(act, ROUND).to(h_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, L, I,
+    def _down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, starts_ptr, counts_ptr, y_ptr, E, L, I,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                     ROUND: tl.constexpr, MXFP4: tl.constexpr, PDL: tl.constexpr):
+                     ROUND: tl.constexpr, MXFP4: tl.constexpr, PREFETCH: tl.constexpr, SCAN: tl.constexpr,
+                     PDL: tl.constexpr):
         pdl_wait(PDL)
-        e = tl.program_id(0)
-        count = tl.load(counts_ptr + e)
+        e = _expert(counts_ptr, E, SCAN)
+        count = tl.load(counts_ptr + e, mask=e < E, other=0)
         if count == 0:
             return
         start = tl.load(starts_ptr + e)
@@ -234,7 +267,7 @@ if triton is not None:
             mmask = rm < count
             h_rows = h_ptr + (start + rm)[:, None].to(tl.int64) * I
             if MXFP4:
-                acc = _mxfp4_matmul(h_rows, mmask, w_base, s_base, rn, nmask, I, BM, BN, BK, DOT_F32)
+                acc = _mxfp4_matmul(h_rows, mmask, w_base, s_base, rn, nmask, I, BM, BN, BK, DOT_F32, PREFETCH)
             else:
                 acc = tl.zeros([BM, BN], dtype=tl.float32)
                 for k0 in range(0, I, BK):
@@ -305,15 +338,20 @@ def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tens
 def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
             linear_beta: float, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
             BM: int | None = None, BN: int | None = None, BK: int | None = None, num_stages: int | None = None,
-            num_warps: int = 4, maxnreg: int | None = None) -> Tensor:
-    """The Triton implementation (MXFP4 weights when their scales are given); tile sizes
-    and a register cap (``maxnreg``: more programs per SM; 0 for none) as arguments for
-    the benchmark's sweep. Defaults, measured on H200 (``benchmarks/moe_experts.py``): bf16 BN 32 (64
-    within 1%), BK 128, 3 stages; MXFP4 BN 64 (its up tile is 2 BN rows of gate and up),
-    BK 256, 1 stage (8-30 % faster than BK 128 / 3 stages, BN 32 and 128 slower; loading
-    each K step's tiles into registers one step ahead was 1.45-1.62x slower), at most 128
-    registers (four programs per SM instead of two, no spills in the up kernel, 20 bytes
-    in the down kernel: 1.05-1.15x faster than the uncapped 240 / 164, bitwise the same)."""
+            num_warps: int = 4, maxnreg: int | None = None, prefetch: int | None = None,
+            compact: bool = True) -> Tensor:
+    """The Triton implementation (MXFP4 weights when their scales are given); tile sizes,
+    a register cap (``maxnreg``: more programs per SM; 0 for none), for MXFP4 an L2
+    prefetch distance in K steps (``prefetch``, ``_mxfp4_matmul``) and the grid
+    (``compact``: over expert slots, ``_expert``; False: a program row per local expert)
+    as arguments for the benchmark's sweep. Defaults, measured on H200
+    (``benchmarks/moe_experts.py``): bf16 BN 32 (64 within 1%), BK 128, 3 stages; MXFP4
+    BN 64 (its up tile is 2 BN rows of gate and up), BK 256, 1 stage (8-30 % faster than
+    BK 128 / 3 stages, BN 32 and 128 slower; loading each K step's tiles into registers
+    one step ahead was 1.45-1.62x slower), at most 128 registers (four programs per SM instead of two, no spills in the up kernel, 16 bytes
+    in the down kernel: 1.05-1.15x faster than the uncapped 240 / 164, bitwise the same),
+    prefetch 1 (distance 2 and 4 slower). With the slot grid, 1.01-1.07x faster at EP 8
+    shapes and 1.32x at one row at EP 1 (MXFP4; bf16 1.17x there, within 1 % elsewhere)."""
     T, top_k = topk_ids.shape
     E, two_i, L = w13.shape[0], w13.shape[1], latent.shape[1]
     I = two_i // 2
@@ -334,12 +372,16 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     tiles = dict(BM=BM or block_rows(n_pairs, E), BN=BN, BK=BK)
     launch = pdl(latent.device)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, num_warps=num_warps,
+                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4,
+                 PREFETCH=0 if INTERPRET or not mxfp4 else 1 if prefetch is None else prefetch, num_warps=num_warps,
                  num_stages=num_stages, maxnreg=maxnreg, **launch)
-    _up_kernel[(E, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order, starts,
-                                        counts, h, L, I, beta, linear_beta, TOP_K=top_k, **tiles, **flags)
-    _down_kernel[(E, triton.cdiv(L, BN))](h, w2, w2_scale if mxfp4 else w2, topk_weights.contiguous().view(-1),
-                                          order, starts, counts, y, L, I, **tiles, **flags)
+    slots = min(E, n_pairs) if compact else E
+    flags["SCAN"] = triton.next_power_of_2(E) if compact else 0
+    _up_kernel[(slots, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order,
+                                            starts, counts, h, E, L, I, beta, linear_beta, TOP_K=top_k, **tiles,
+                                            **flags)
+    _down_kernel[(slots, triton.cdiv(L, BN))](h, w2, w2_scale if mxfp4 else w2, topk_weights.contiguous().view(-1),
+                                              order, starts, counts, y, E, L, I, **tiles, **flags)
     block = 512
     _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block, **launch)
     return out
@@ -358,10 +400,10 @@ def sm90_sources(tiles: dict, top_k: int = 16) -> dict:
     weight = "*u8" if tiles["MXFP4"] else "*bf16"
     rows = {"order_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32"}
     up = {"x_ptr": "*bf16", "stride_x": "i32", "w13_ptr": weight, "s13_ptr": weight, **rows, "h_ptr": "*bf16",
-          "L": "i32", "I": "i32", "beta": "fp32", "linear_beta": "fp32", "TOP_K": "constexpr",
+          "E": "i32", "L": "i32", "I": "i32", "beta": "fp32", "linear_beta": "fp32", "TOP_K": "constexpr",
           **{k: "constexpr" for k in tiles}}
     down = {"h_ptr": "*bf16", "w2_ptr": weight, "s2_ptr": weight, "weights_ptr": "*fp32", **rows, "y_ptr": "*fp32",
-            "L": "i32", "I": "i32", **{k: "constexpr" for k in tiles}}
+            "E": "i32", "L": "i32", "I": "i32", **{k: "constexpr" for k in tiles}}
 
     def source(kernel, sig, constexprs):
         attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())

@@ -92,26 +92,30 @@ def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4, dot_
     activations' IEEE dot)."""
     from kimi_inductor.kernels import expert_ffn
 
-    tiles = {"BM": 16, "BN": 32, "BK": 128, "DOT_F32": dot_f32, "ROUND": not dot_f32, "MXFP4": mxfp4, "PDL": True}
+    tiles = {"BM": 16, "BN": 32, "BK": 128, "DOT_F32": dot_f32, "ROUND": not dot_f32, "MXFP4": mxfp4,
+             "PREFETCH": 2 if mxfp4 else 0, "SCAN": 1024 if mxfp4 else 0, "PDL": True}
     for source in expert_ffn.sm90_sources(tiles).values():
         compiled = triton.compile(source, target=SM90, options={"num_warps": 4, "num_stages": 3})
         assert ".target sm_90" in compiled.asm["ptx"]
         assert "griddepcontrol.wait" in compiled.asm["ptx"]  # launched with programmatic dependent launch
+        assert compiled.asm["ptx"].count("prefetch.global.L2") == (2 if mxfp4 else 0)  # codes and scales, per step
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 def test_mxfp4_expert_kernels_fit_their_register_cap():
-    """The MXFP4 expert kernels at their default tile (BN 64, BK 256, 4 warps, one stage)
-    under the default cap of 128 registers (four programs per SM), as ptxas allocates
-    them for sm_90a with the launch's specialisation: the up kernel without spills, the
-    down kernel with at most 32 bytes (measured 0 and 20)."""
+    """The MXFP4 expert kernels at their default tile (BN 64, BK 256, 4 warps, one stage,
+    L2 prefetch one step ahead, the grid over expert slots) under the default cap of 128
+    registers (four programs per SM), as ptxas allocates them for sm_90a with the
+    launch's specialisation: the up kernel without spills, the down kernel with at most
+    32 bytes (measured 0 and 16)."""
     import os
     import re
     import subprocess
 
     from kimi_inductor.kernels import expert_ffn
 
-    tiles = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PDL": True}
+    tiles = {"BM": 16, "BN": 64, "BK": 256, "DOT_F32": False, "ROUND": True, "MXFP4": True, "PREFETCH": 1,
+             "SCAN": 128, "PDL": True}
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     for name, source in expert_ffn.sm90_sources(tiles).items():
         ptx = triton.compile(source, target=SM90, options={"num_warps": 4, "num_stages": 1, "maxnreg": 128}).asm["ptx"]

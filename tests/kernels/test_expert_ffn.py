@@ -141,6 +141,20 @@ def test_mxfp4_experts_are_the_experts_of_their_dequantised_weights(T, k, E, L, 
     assert ((got - want).abs() <= 2**-5 * want.abs().amax(1, keepdim=True) + 1e-6).all()
 
 
+@pytest.mark.parametrize("T, k", [(1, 4), (3, 4), (40, 4)])
+def test_grid_over_busy_experts_gives_the_same_result(T, k):
+    """The grid over min(E, T k) expert slots, slot i taking the i-th expert with pairs
+    (fewer than E slots at one row, E when T k >= E), and for MXFP4 the L2 prefetch:
+    bitwise what a program per expert computes, with padding (-1) and other ranks' ids."""
+    E, L, I = MX_SHAPES[0]
+    ids = torch.randint(-1, E + 3, (T, k), generator=torch.Generator().manual_seed(T))
+    latent, weights, ids, w13, w2 = _inputs(T, k, E, L, I, ids, seed=T)
+    (q13, s13), (q2, s2) = _mxfp4(w13), _mxfp4(w2)
+    for experts in ((w13, w2, None, None), (q13, q2, s13, s2)):
+        args = (latent, weights, ids, *experts[:2], 4.0, 25.0, *experts[2:])
+        assert torch.equal(X.grouped(*args), X.grouped(*args, compact=False, prefetch=0))
+
+
 def test_mxfp4_upcast_is_exact_for_every_e8m0_scale():
     """E8M0 scales 100..160 (2^-27..2^33, beyond the 2^1 where a one-multiply upcast
     overflows) and every code: the MXFP4 experts give what the same kernels give on their
