@@ -1,4 +1,5 @@
-"""One Kimi K3 MoE layer decode step on one H200 (EP 1: all 896 experts here, bf16):
+"""One Kimi K3 MoE layer decode step on one H200 (EP 1: all 896 experts here, bf16, or
+MXFP4 as the checkpoint ships them with ``--mxfp4``):
 router (fp32 logits, sigmoid top-16), latent down-projection, routed experts, RMSNorm,
 up-projection, shared experts, inside CUDA graphs:
 
@@ -10,7 +11,7 @@ up-projection, shared experts, inside CUDA graphs:
 * floor: every non-expert weight, the weights of the experts the router picked, and
   the activations, at 4.28 TB/s.
 
-    python benchmarks/moe_layer.py --rows 1 8 32 64 --json moe_layer.json
+    python benchmarks/moe_layer.py --rows 1 8 32 64 --json moe_layer.json [--mxfp4]
     python benchmarks/moe_layer.py --smoke      # CPU, the tiny preset: checks the script runs
 """
 
@@ -58,10 +59,14 @@ def stock_inductor_with(capturable: dict) -> Callable:
 
 
 def random_params(layer: KimiMoE, device) -> dict[str, torch.Tensor]:
+    """Random weights of the layer's parameters; MXFP4 experts (``store_mxfp4``) get random
+    codes and E8M0 scales 2^-7..2^0 (as ``moe_experts.py``)."""
     out = {}
     for name, p in layer.named_parameters():
         t = torch.empty(p.shape, dtype=p.dtype, device=device)
-        if name.endswith("norm.weight"):
+        if p.dtype == torch.uint8:
+            t.random_(120, 128) if name.endswith("_scale") else t.random_(0, 256)
+        elif name.endswith("norm.weight"):
             t.fill_(1.0)
         elif name.endswith("e_score_correction_bias"):
             t.normal_(0, 0.01)
@@ -72,21 +77,25 @@ def random_params(layer: KimiMoE, device) -> dict[str, torch.Tensor]:
 
 
 def weight_bytes(params: dict[str, torch.Tensor]) -> tuple[float, int]:
-    """(bytes of one routed expert, bytes of every other weight) of a KimiMoE's parameters."""
+    """(bytes of one routed expert, its MXFP4 scales included, bytes of every other weight)
+    of a KimiMoE's parameters."""
     nbytes = {n: t.numel() * t.element_size() for n, t in params.items()}
-    per_expert = (nbytes["experts.w13_weight"] + nbytes["experts.w2_weight"]) / params["experts.w13_weight"].shape[0]
-    return per_expert, sum(v for n, v in nbytes.items() if not n.startswith("experts."))
+    experts = sum(v for n, v in nbytes.items() if n.startswith("experts."))
+    return experts / params["experts.w13_weight"].shape[0], sum(nbytes.values()) - experts
 
 
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny preset, no timing")
+    p.add_argument("--mxfp4", action="store_true", help="MXFP4 routed experts, held packed (issue 18)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     config = KimiK3Config.preset("tiny" if args.smoke else "kimi-k3")
     layer = KimiMoE(config, Parallel(), device="meta")
+    if args.mxfp4:
+        layer.store_mxfp4()
     params = random_params(layer, device)
     expert_bytes, other_bytes = weight_bytes(params)
 
@@ -115,7 +124,8 @@ def main(argv=None) -> Results:
         fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
         t_stock = graph_time_us(lambda i: stock(params, x, pad), calls=3, replays=3)
         t_kimi = graph_time_us(lambda i: kimi(params, x, pad), calls=5, replays=5)
-        res.add(rows=rows, active_experts=active, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
+        res.add(rows=rows, experts="mxfp4" if args.mxfp4 else "bf16", active_experts=active, floor_us=fl,
+                inductor_us=t_stock, kimi_us=t_kimi,
                 kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
     if args.json:
         res.dump(args.json)

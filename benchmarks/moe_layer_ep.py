@@ -1,7 +1,8 @@
 """One Kimi K3 MoE layer decode step at EP G on G GPUs (NCCL), in the SP layout the hybrid
 step runs it in: each rank routes its own c rows (router, latent down), the routed
-experts are expert-parallel over the G ranks (896 / G each, bf16), then RMSNorm, up
-projection and the replicated shared experts:
+experts are expert-parallel over the G ranks (896 / G each, bf16, or MXFP4 as the
+checkpoint ships them with ``--mxfp4``), then RMSNorm, up projection and the replicated
+shared experts:
 
 * kimi_specialized: the ``mega_moe`` pass (one all-gather dispatch, grouped Triton
   experts, one reduce-scatter combine) and ``lower_kernels``, compiled by Inductor, in a
@@ -9,13 +10,13 @@ projection and the replicated shared experts:
 * stock: the same layer eagerly (stock ``kimi::ep_experts``: all-gather, a host-synced
   expert loop, all-reduce; not capturable);
 * stock, Inductor + graph: the stock layer compiled by Inductor with its experts in their
-  capturable form (all-gather, every local expert on every row, reduce-scatter), in a
-  CUDA graph;
+  capturable form (all-gather, every local expert on every row, MXFP4 experts
+  dequantised first, reduce-scatter), in a CUDA graph;
 * floor: every non-expert weight, the weights of this rank's experts that got a pair,
   and the activations, at 4.28 TB/s (the exchange's communication not included).
 
-    python benchmarks/moe_layer_ep.py --gpus 2 --rows 1 8 32 64 --json moe_layer_ep2.json
-    python benchmarks/moe_layer_ep.py --smoke   # 2 CPU ranks (gloo), the tiny preset: checks the script
+    python benchmarks/moe_layer_ep.py --gpus 2 --rows 1 8 32 64 --json moe_layer_ep2.json [--mxfp4]
+    python benchmarks/moe_layer_ep.py --smoke [--mxfp4]  # 2 CPU ranks (gloo), the tiny preset
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
 from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
 from kimi_inductor.stock.moe import KimiMoE, router_logits, select_experts  # noqa: E402
+from kimi_inductor.stock.mxfp4 import expert_weights  # noqa: E402
 
 
 def _dense_ep_experts(latent, topk_weights, topk_ids, is_padding, w13, w2, first_expert, group_name, max_num_tokens,
-                      beta, linear_beta):
+                      beta, linear_beta, w13_scale=None, w2_scale=None):
     """Stock ``ep_experts`` in a capturable form: all-gather the rows, every local expert
-    on every row weighted by a dense routing matrix, reduce-scatter the fp32 sums."""
+    (dequantised where MXFP4) on every row weighted by a dense routing matrix,
+    reduce-scatter the fp32 sums."""
+    w13, w2 = expert_weights(w13, w2, w13_scale, w2_scale, latent.dtype)
     weights = torch.where(is_padding[:, None], 0.0, topk_weights.float())
     x, w, ids = (fc.all_gather_tensor(t, 0, group_name) for t in (latent, weights, topk_ids))
     local = ids.long() - first_expert
@@ -55,19 +59,21 @@ def _dense_ep_experts(latent, topk_weights, topk_ids, is_padding, w13, w2, first
     return fc.reduce_scatter_tensor(y, "sum", 0, group_name).to(latent.dtype)
 
 
-def _rank(rank: int, world: int, port: int, rows_list: list[int], out: str) -> None:
+def _rank(rank: int, world: int, port: int, rows_list: list[int], mxfp4: bool, out: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
-    _measure(rows_list, smoke=False, out=out)
+    _measure(rows_list, smoke=False, mxfp4=mxfp4, out=out)
     dist.destroy_process_group()
 
 
-def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
+def _measure(rows_list: list[int], smoke: bool, mxfp4: bool = False, out: str = "") -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cpu" if smoke else f"cuda:{rank}"
     config = KimiK3Config.preset("tiny" if smoke else "kimi-k3")
     layer = KimiMoE(config, Parallel("sp", dist.group.WORLD), device="meta")
+    if mxfp4:
+        layer.store_mxfp4()
     torch.manual_seed(rank)  # each rank its own experts; the replicated weights made equal below
     params = random_params(layer, device)
     for name, t in params.items():
@@ -99,7 +105,8 @@ def _measure(rows_list: list[int], smoke: bool, out: str = "") -> list[dict]:
         dist.all_gather(every, ids)
         ids = torch.cat(every) - rank * local
         active = int(torch.unique(ids[(ids >= 0) & (ids < local)]).numel())
-        row = dict(rank=rank, rows=rows, active_experts=active, rel_err=err, inductor_rel_err=inductor_err)
+        row = dict(rank=rank, rows=rows, experts="mxfp4" if mxfp4 else "bf16", active_experts=active, rel_err=err,
+                   inductor_rel_err=inductor_err)
         require_rewritten(backend, "moe_layer_ep")
         if not smoke:
             fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
@@ -121,14 +128,15 @@ def main(argv=None) -> None:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--smoke", action="store_true", help="2 CPU ranks (gloo), tiny preset, no timing")
+    p.add_argument("--mxfp4", action="store_true", help="MXFP4 routed experts, held packed (issue 18)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.smoke:
         from kimi_inductor.launch import run_ranks
 
-        run_ranks(_measure, 2, args.rows, True)
+        run_ranks(_measure, 2, args.rows, True, args.mxfp4)
         return
-    run_on_gpus(_rank, args.gpus, (args.rows,), args.json)
+    run_on_gpus(_rank, args.gpus, (args.rows, args.mxfp4), args.json)
 
 
 if __name__ == "__main__":

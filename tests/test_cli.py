@@ -91,6 +91,21 @@ def test_step_benchmark_on_two_ranks_runs_the_hybrid_step(tmp_path):
     assert rows[0]["rel_err"] == rows[1]["rel_err"]
 
 
+def test_ep_moe_layer_benchmark_with_mxfp4_experts_on_two_ranks():
+    """``moe_layer_ep.py --mxfp4``'s plumbing on 2 CPU ranks (gloo), tiny preset: the
+    experts held packed (codes + E8M0 scales), the mega_moe rewrite and the
+    dequantise-then-dense Inductor baseline both equal to stock on every rank (the same
+    reference math on CPU; the GPU run is issue 18's EP 2 measurement)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import moe_layer_ep
+
+    from kimi_inductor.launch import run_ranks
+
+    for rows in run_ranks(moe_layer_ep._measure, 2, [1, 3], True, True):
+        assert [r["experts"] for r in rows] == ["mxfp4", "mxfp4"]
+        assert all(r["rel_err"] < 1e-2 and r["inductor_rel_err"] < 1e-2 for r in rows)
+
+
 def test_runs_without_triton():
     """``pip install -e .`` where Triton has no wheel: every module imports and each op
     runs its CPU reference (the README's main job must not need the test extra)."""
