@@ -233,7 +233,7 @@ class SplitKGemv:
     @cute.jit
     def split_tile(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
                    ws: cute.Tensor, counters: cute.Tensor, bx: Int32, s: Int32, flag: cute.Tensor,
-                   load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor):
+                   load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None):
         """CTA (``bx``, ``s``): K chunk s of output tile bx; the CTA that arrives last at
         ``counters[bx]`` sums the tile's partials and writes it. Returns whether this CTA
         did (uniform over the CTA). ``flag``: one Int32 of shared memory."""
@@ -302,11 +302,12 @@ class SplitKGemv:
 
     @cute.jit
     def dot(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, n0: Int32, half, kv0: Int32, steps: Int32,
-            load_w: cute.CopyAtom, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor, ahead: cute.Tensor):
+            load_w: cute.CopyAtom, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor,
+            ahead: cute.Tensor | None = None):
         """The warp's dot products over ``steps`` warp steps from 16-byte vector ``kv0``,
         warp-reduced into ``part`` (and ``sq``): outputs n0 .. n0 + R - 1, whose weight rows
         are n0 + j and, with SiTU, the up rows half + n0 + j; the first ``preload`` steps'
-        weights are ``ahead``'s (``read_ahead``)."""
+        weights are ``ahead``'s (``read_ahead``; None without preload: ``MoEInGemv``)."""
         rows: cutlass.Constexpr = self.rows
         r: cutlass.Constexpr = self.r
         wrows: cutlass.Constexpr = self.wrows
@@ -353,7 +354,7 @@ class SplitKGemv:
 
     @cute.jit
     def tile_of(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
-                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor):
+                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None):
         """CTA ``bx``'s outputs over all of K (no split): out[:, bx TILE .. (bx + 1) TILE).
         With SiTU the up rows start ``self.half`` rows after the gate rows (0: after all n
         gate rows, the [gate; up] weight)."""
