@@ -348,10 +348,12 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     (``benchmarks/moe_experts.py``): bf16 BN 32 (64 within 1%), BK 128, 3 stages; MXFP4
     BN 64 (its up tile is 2 BN rows of gate and up), BK 256, 1 stage (8-30 % faster than
     BK 128 / 3 stages, BN 32 and 128 slower; loading each K step's tiles into registers
-    one step ahead was 1.45-1.62x slower), at most 128 registers (four programs per SM instead of two, no spills in the up kernel, 16 bytes
-    in the down kernel: 1.05-1.15x faster than the uncapped 240 / 164, bitwise the same),
-    prefetch 1 (distance 2 and 4 slower). With the slot grid, 1.01-1.07x faster at EP 8
-    shapes and 1.32x at one row at EP 1 (MXFP4; bf16 1.17x there, within 1 % elsewhere)."""
+    one step ahead was 1.45-1.62x slower), at most 128 registers (four programs per SM
+    instead of two, no spills in the up kernel, 16 bytes in the down kernel: 1.05-1.15x
+    faster than the uncapped 240 / 164, bitwise the same), prefetch 1 (distance 2 and 4
+    slower). The slot grid and the prefetch together: 1.01-1.05x faster at EP 8 shapes
+    and 1.32x at one row at EP 1 (MXFP4; bf16, slots alone: 1.17x there, within 1 %
+    elsewhere)."""
     T, top_k = topk_ids.shape
     E, two_i, L = w13.shape[0], w13.shape[1], latent.shape[1]
     I = two_i // 2
@@ -359,6 +361,7 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     BN = BN or (64 if mxfp4 else 32)
     BK = BK or (256 if mxfp4 else 128)
     num_stages = num_stages or (1 if mxfp4 else 3)
+    prefetch = 0 if INTERPRET or not mxfp4 else 1 if prefetch is None else prefetch  # no inline PTX interpreted
     maxnreg = (128 if mxfp4 else None) if maxnreg is None else (maxnreg or None)  # 0: no cap
     assert latent.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
     if mxfp4:  # the MXFP4 K loop has no mask along K: BK divides L and I
@@ -372,11 +375,10 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     tiles = dict(BM=BM or block_rows(n_pairs, E), BN=BN, BK=BK)
     launch = pdl(latent.device)
     flags = dict(DOT_F32=INTERPRET or latent.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4,
-                 PREFETCH=0 if INTERPRET or not mxfp4 else 1 if prefetch is None else prefetch, num_warps=num_warps,
-                 num_stages=num_stages, maxnreg=maxnreg, **launch)
+                 ROUND=latent.dtype == torch.bfloat16, MXFP4=mxfp4, PREFETCH=prefetch,
+                 SCAN=triton.next_power_of_2(E) if compact else 0, num_warps=num_warps, num_stages=num_stages,
+                 maxnreg=maxnreg, **launch)
     slots = min(E, n_pairs) if compact else E
-    flags["SCAN"] = triton.next_power_of_2(E) if compact else 0
     _up_kernel[(slots, triton.cdiv(I, BN))](latent, latent.stride(0), w13, w13_scale if mxfp4 else w13, order,
                                             starts, counts, h, E, L, I, beta, linear_beta, TOP_K=top_k, **tiles,
                                             **flags)
