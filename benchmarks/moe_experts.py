@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
 
 from kimi_inductor.kernels import expert_ffn as X  # noqa: E402
+from kimi_inductor.kernels import expert_mxfp4 as MX  # noqa: E402
+from kimi_inductor.kernels.skinny_gemm import cute_available  # noqa: E402
 from kimi_inductor.stock.layers import situ_and_mul  # noqa: E402
 from kimi_inductor.stock.mxfp4 import dequantize_experts  # noqa: E402
 
@@ -143,6 +145,7 @@ def main(argv=None) -> Results:
         s13, s2 = (torch.randint(120, 128, (*w.shape[:2], w.shape[2] // 32), dtype=torch.uint8, device=device)
                    for w in (w13, w2))
         mx_bytes = expert_bytes // 4 + expert_bytes // 32
+        mma = None if args.smoke or cute_available() else (MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False))
     dense = torch.compile(dense_experts, dynamic=False)
     inductor_dequant = torch.compile(dequant_dense, dynamic=False)
     res = Results("moe_experts")
@@ -192,6 +195,15 @@ def main(argv=None) -> Results:
                     row["inductor_dequant_dense_us"] = graph_time_us(lambda i: inductor_dequant(*mx, *scales), calls=2,
                                                                      replays=3)
                 row["mxfp4_us"] = min(row[f"mxfp4_{t.replace(',', '_')}_us"] for t in args.mxfp4_tiles)
+                if mma is not None:  # the SM90 CuTe DSL kernels on the same experts in their MMA layout
+                    (c13, t13), (c2, t2) = mma
+                    kw = (latent, weights, ids, c13[:E], c2[:E], BETA, LINEAR_BETA, t13[:E], t2[:E])
+                    ref = X.grouped(*mx, BETA, LINEAR_BETA, *scales)
+                    row["mxfp4_mma_rel_err"] = float(((X.mma_grouped(*kw) - ref).norm(dim=1)
+                                                      / ref.norm(dim=1)).max())
+                    row["mxfp4_mma_us"] = graph_time_us(lambda i: X.mma_grouped(*kw), calls=5, replays=5)
+                    row["mxfp4_triton_us"] = row["mxfp4_us"]
+                    row["mxfp4_us"] = min(row["mxfp4_us"], row["mxfp4_mma_us"])
                 row["mxfp4_floor_us"] = floor_us(active * mx_bytes + rows * L * (2 + 4))
                 row["mxfp4_of_ceiling"] = row["mxfp4_floor_us"] / row["mxfp4_us"]
                 row["mxfp4_speedup"] = best / row["mxfp4_us"]

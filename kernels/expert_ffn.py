@@ -389,6 +389,45 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     return out
 
 
+def expert_slots(counts: Tensor, slots: int) -> Tensor:
+    """[slots] int32: slot i's local expert, the i-th with pairs (E: none); capturable."""
+    E = counts.numel()
+    busy = counts > 0
+    at = torch.where(busy, torch.cumsum(busy, 0) - 1, E)
+    table = torch.full((E + 1,), E, dtype=torch.int32, device=counts.device)
+    table.scatter_(0, at, torch.arange(E, dtype=torch.int32, device=counts.device))
+    return table[:slots]
+
+
+def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
+                linear_beta: float, w13_scale: Tensor, w2_scale: Tensor, tiles: int | None = None,
+                warps: int = 4) -> Tensor:
+    """The SM90 CuTe DSL kernels for MXFP4 experts in their MMA layout
+    (``expert_mxfp4.mma_layout``: w13 [E, 2 I / 16, L / 64, 32, 4] int32, ...): the pairs
+    grouped by expert as ``grouped``, the up and down projections one warp per 16 weight
+    rows, then ``_combine_kernel``."""
+    from . import expert_mxfp4 as MX
+
+    T, top_k = topk_ids.shape
+    E, n_pairs = w13.shape[0], T * top_k
+    I, L = 8 * w13.shape[1], latent.shape[1]
+    order, starts, counts, position = group_pairs(topk_ids, E)
+    slots = expert_slots(counts, min(E, n_pairs))
+    tiles = tiles or MX.tiles_for(n_pairs, slots.numel())
+    on = bool(pdl(latent.device)["PDL"])
+    h = latent.new_empty(n_pairs, I)
+    y = torch.empty(n_pairs, L, dtype=torch.float32, device=latent.device)
+    weights = topk_weights.contiguous().view(-1)
+    for gate_up, x, w, s, out in ((True, latent, w13, w13_scale, h), (False, h, w2, w2_scale, y)):
+        x32 = x.view(torch.int32)
+        MX.projection(gate_up, x32, w, n_pairs, top_k, tiles, warps, beta, linear_beta, on)(
+            x32, w, s, slots, order, starts, counts, weights, out)
+    out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
+    block = 512
+    _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block, **pdl(latent.device))
+    return out
+
+
 expert_ffn.register_fake(_fake)
 
 

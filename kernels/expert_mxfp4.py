@@ -1,0 +1,363 @@
+"""MXFP4 expert projections for SM90 in CuTe DSL: ``expert_ffn``'s up (gate_up + SiTU) and
+down (times the routing weight) kernels when the experts are MXFP4 in the kernel's layout
+(``mma_layout``), replacing the Triton WGMMA kernels there.
+
+Why a second kernel: the Triton one upcasts each K step's [rows, BK] tile into the WGMMA's
+register operand and stores x, the other operand, to shared memory with barriers every
+step, so per program the loads, the upcast and the MMA run in series (docs/kernels.md).
+Here nothing goes through shared memory and nothing waits on another warp:
+
+* a warp owns 16 weight rows of one expert, the A operand of ``mma.sync.m16n8k16`` (bf16,
+  fp32 accumulate), over all of K; the up projection's 16 rows are 8 gate rows and their
+  8 up rows, so each lane holds both halves of its outputs for SiTU;
+* per lane and 64-element K chunk the codes are 16 bytes, one load, which are exactly the
+  lane's A fragments of the chunk's four MMAs (``mma_layout``); the warp loads the next
+  256 elements' codes and scales while it multiplies these;
+* the B operand is 8 pairs' rows of x (one n8 tile; NT tiles per pass over the weight),
+  8 bytes per lane and MMA from global memory (L1 / L2: the warps of a CTA share them).
+
+Upcast: register i of a lane's MMA fragment (two values) takes its codes' magnitude bits
+(e1 e0 m) to bf16 bits 8-6 and sign to bit 15 in one shift and AND (registers 0-2; three
+shifts for register 3): as a bf16 that is the E2M1 value times 2^-126 exactly (e = 0
+lands on the subnormal 0.5 m 2^-126), and one packed multiply by 2^126 makes it the E2M1
+value. The E8M0 scale applies per 32-element group to the fp32 MMA results (the group's
+two MMAs into a fresh accumulator, then acc += tmp 2^(s - 127), a power of two): the
+result is the dequantised expert's up to fp32 summation order.
+
+Layout (``mma_layout``; same bytes as the checkpoint's): codes [E, N / 16, K / 64, 32, 4]
+int32, scales [E, N / 16, K / 256, 32] int32. Block b's fragment row r is weight row
+16 b + r, or for gate_up rows 8 b + r (r < 8) and I + 8 b + r - 8. For lane t (g = t // 4,
+q = t % 4), word j of chunk c holds MMA j's values: register i (0..3), half h is row
+g + 8 (i & 1), K element 64 c + 16 j + 4 q + 2 (i >> 1) + h (a permutation of K within
+each 16, which x's loads follow), its nibble at ``BITS[i]`` (+ 16 h). Scale word of lane
+t and 256-block: bytes (group 2 q, row g), (2 q, g + 8), (2 q + 1, g), (2 q + 1, g + 8) of
+the block's 8 groups; chunk c's lanes take lane (g, c % 4)'s word by a shuffle.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+    from cuda.bindings.driver import CUstream
+    from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+except ImportError:  # the `cute` extra is not installed
+    cutlass = None
+
+WARP = 32
+CHUNK = 64  # K elements per lane's 16 bytes of codes
+BLOCK_K = 256  # K elements per scale word (and per prefetch)
+# register i's (m, e0, e1, sign) bit positions in its word, low half (+16: the high half)
+BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+MASK = 0x81C081C0  # bf16x2 magnitude bits 8-6 and signs
+
+
+def supported(N: int, K: int) -> str:
+    """Why the kernel cannot take an [N, K] weight ('' when it can)."""
+    if N % 16 or K % BLOCK_K:
+        return f"[{N}, {K}]: the SM90 MXFP4 kernel needs N % 16 == 0 and K % {BLOCK_K} == 0"
+    return ""
+
+
+def _block_rows(N: int, gate_up: bool) -> Tensor:
+    """[N / 16, 16]: the weight row of each block's fragment row."""
+    r = torch.arange(16)
+    if gate_up:
+        b = torch.arange(N // 16)[:, None]
+        return torch.where(r < 8, 8 * b + r, N // 2 + 8 * b + r - 8)
+    return torch.arange(N).view(-1, 16)
+
+
+def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Tensor]:
+    """Checkpoint MXFP4 (codes [E, N, K / 2] uint8, low nibble = even column; scales [E, N,
+    K / 32] uint8) -> the kernel's (codes [E, N / 16, K / 64, 32, 4] int32, scales [E, N / 16,
+    K / 256, 32] int32), expert by expert; ``gate_up``: N = 2 I rows, gate then up."""
+    E, N, half_k = codes.shape
+    K = 2 * half_k
+    assert not supported(N, K), supported(N, K)
+    rows = _block_rows(N, gate_up).to(codes.device)
+    shift = torch.tensor(BITS, dtype=torch.int64, device=codes.device)  # [i, bit]
+    out_c = torch.empty(E, N // 16, K // CHUNK, WARP, 4, dtype=torch.int32, device=codes.device)
+    out_s = torch.empty(E, N // 16, K // BLOCK_K, WARP, dtype=torch.int32, device=codes.device)
+    for e in range(E):
+        nib = torch.stack([codes[e] & 15, codes[e] >> 4], -1).view(N, K).long()[rows]  # [NB, 16, K]
+        # [NB, il, g, c, j, q, ih, h] -> bits of (m, e0, e1, sign) at BITS[il + 2 ih] + 16 h
+        nib = nib.view(N // 16, 2, 8, K // CHUNK, 4, 4, 2, 2)
+        bits = torch.stack([(nib >> b) & 1 for b in range(4)], -1)  # [..., 4]: m, e0, e1, sign
+        pos = shift.view(2, 2, 4).transpose(0, 1)  # [il, ih, bit]
+        pos = pos[None, :, None, None, None, None, :, None, :] + 16 * torch.arange(2, device=codes.device).view(
+            1, 1, 1, 1, 1, 1, 1, 2, 1)
+        word = (bits << pos).sum((1, 6, 7, 8))  # [NB, g, c, j, q]
+        out_c[e] = word.permute(0, 2, 1, 4, 3).reshape(N // 16, K // CHUNK, WARP, 4).to(torch.int32)
+        s = scales[e].long()[rows].view(N // 16, 2, 8, K // BLOCK_K, 4, 2)  # [NB, r8, g, blk, q, group parity]
+        sw = (s << (8 * (2 * torch.arange(2, device=codes.device).view(1, 1, 1, 1, 1, 2)
+                         + torch.arange(2, device=codes.device).view(1, 2, 1, 1, 1, 1)))).sum((1, 5))
+        out_s[e] = sw.permute(0, 2, 1, 3).reshape(N // 16, K // BLOCK_K, WARP).to(torch.int32)
+    return out_c, out_s
+
+
+def checkpoint_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Tensor]:
+    """The inverse of ``mma_layout``: back to checkpoint codes [E, N, K / 2] and scales."""
+    E, NB, KC = codes.shape[:3]
+    N, K = 16 * NB, CHUNK * KC
+    rows = _block_rows(N, gate_up).to(codes.device).reshape(-1)
+    w = codes.long() & 0xFFFFFFFF  # [E, NB, c, lane, j]
+    w = w.view(E, NB, KC, 8, 4, 4).permute(0, 1, 3, 2, 5, 4)  # [E, NB, g, c, j, q]
+    pos = torch.tensor(BITS, dtype=torch.int64, device=codes.device)
+    nib = torch.empty(E, NB, 2, 8, KC, 4, 4, 2, 2, dtype=torch.int64, device=codes.device)
+    for il in range(2):
+        for ih in range(2):
+            for h in range(2):
+                p = pos[il + 2 * ih] + 16 * h
+                nib[:, :, il, :, :, :, :, ih, h] = sum(((w >> p[b]) & 1) << b for b in range(4))
+    flat = torch.empty(E, N, K, dtype=torch.int64, device=codes.device)
+    flat[:, rows] = nib.view(E, N, K)
+    out_c = (flat[..., 0::2] | (flat[..., 1::2] << 4)).to(torch.uint8)
+    s = scales.long() & 0xFFFFFFFF  # [E, NB, blk, lane]
+    s = s.view(E, NB, -1, 8, 4).permute(0, 1, 3, 2, 4)  # [E, NB, g, blk, q]
+    groups = torch.stack([torch.stack([(s >> (8 * (2 * p + r))) & 0xFF for p in range(2)], -1)
+                          for r in range(2)], 2)  # [E, NB, r8, g, blk, q, parity]
+    out_s = torch.empty(E, N, K // 32, dtype=torch.int64, device=codes.device)
+    out_s[:, rows] = groups.reshape(E, N, K // 32)
+    return out_c, out_s.to(torch.uint8)
+
+
+if cutlass is not None:
+
+    @dsl_user_op
+    def _asm_i32(asm: str, *args, loc=None, ip=None) -> Int32:
+        return Int32(llvm.inline_asm(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip) for a in args], asm,
+                                     "=r" + ",r" * len(args), loc=loc, ip=ip))
+
+    @dsl_user_op
+    def _as_f32(bits: Int32, *, loc=None, ip=None) -> Float32:
+        return Float32(llvm.inline_asm(T.f32(), [Int32(bits).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+                                       loc=loc, ip=ip))
+
+    @dsl_user_op
+    def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
+        """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: (d0, d1, d2, d3)."""
+        ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
+        ops += [Float32(v).ir_value(loc=loc, ip=ip) for v in (c0, c1, c2, c3)]
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.f32()] * 4), ops,
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+            "{$8, $9}, {$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc=loc, ip=ip)
+        return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+    @cute.jit
+    def _upcast(w: Int32, i: cutlass.Constexpr) -> Int32:
+        """Register i's two E2M1 values of code word ``w`` as bf16x2 (times 2^-126), then
+        times 2^126 (one packed multiply; -0 addend keeps the sign of zero)."""
+        if const_expr(i == 0):
+            v = w & Int32(MASK - (1 << 32))
+        elif const_expr(i < 3):
+            v = (w << (3 * i)) & Int32(MASK - (1 << 32))
+        else:
+            v = ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & Int32(0x80008000 - (1 << 32)))
+        return _asm_i32("{ .reg .b32 f, z; mov.b32 f, 0x7E807E80; mov.b32 z, 0x80008000; "
+                        "fma.rn.bf16x2 $0, $1, f, z; }", v)
+
+    @cute.jit
+    def _scale(word: Int32, byte: cutlass.Constexpr) -> Float32:
+        """2^(s - 127) as fp32 for the E8M0 byte ``byte`` of ``word`` (s = 0: the subnormal 2^-127)."""
+        s = (word >> (8 * byte)) & 0xFF
+        return _as_f32(cutlass.max(s << 23, Int32(0x400000)))
+
+    @cute.jit
+    def _tanh(x: Float32) -> Float32:
+        """fp32 tanh as ``expert_ffn._tanh``: an odd polynomial below |x| = 0.6, else
+        (1 - e) / (1 + e) with e = exp(-2 |x|)."""
+        a = cute.arch.fmax(x, -x)
+        s = a * a
+        p = Float32(-0.005895158741623163) * s + Float32(0.020795971155166626)
+        p = p * s - Float32(0.053783830255270004)
+        p = p * s + Float32(0.13331924378871918)
+        p = p * s - Float32(0.33333298563957214)
+        t = a + a * s * p
+        if a >= Float32(0.6):
+            e = cute.math.exp(Float32(-2.0) * a)
+            t = (Float32(1.0) - e) / (Float32(1.0) + e)
+        if x < Float32(0.0):
+            t = -t
+        return t
+
+    class Mxfp4Experts:
+        """One compiled projection: ``gate_up`` (h = SiTU(x W13^T), bf16 [P, I]) or down
+        (y = bf16(h W2^T) times the pair's routing weight, fp32 [P, L]); ``tiles``: n8
+        tiles of pairs per pass over the weight; ``warps`` per CTA (one 16-row block each)."""
+
+        def __init__(self, gate_up: bool, top_k: int, tiles: int, warps: int, beta: float, linear_beta: float,
+                     pdl: bool):
+            self.gate_up, self.top_k, self.tiles, self.warps, self.pdl = gate_up, top_k, tiles, warps, pdl
+            self.beta, self.linear_beta = beta, linear_beta
+
+        @cute.jit
+        def __call__(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
+                     order: cute.Tensor, starts: cute.Tensor, counts: cute.Tensor, weights: cute.Tensor,
+                     out: cute.Tensor, stream: CUstream):
+            load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                         load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+            load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=64,
+                                         load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
+            blocks = cute.size(codes, mode=[1])
+            self.kernel(x, codes, scales, slots, order, starts, counts, weights, out, load_w, load_x).launch(
+                grid=[cute.size(slots), cute.ceil_div(blocks, self.warps), 1], block=[self.warps * WARP, 1, 1],
+                stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
+                   order: cute.Tensor, starts: cute.Tensor, counts: cute.Tensor, weights: cute.Tensor,
+                   out: cute.Tensor, load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+            """x [rows, K / 2] int32 (bf16 pairs): the latent (gate_up, row = pair // top_k)
+            or h (down, row = the pair's position); slots [S]: the expert of each grid row
+            (E: none); out: h [P, I] bf16 or y [P, L] fp32."""
+            NT: cutlass.Constexpr = self.tiles
+            slot, by, _ = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            b = by * self.warps + cute.arch.warp_idx()
+            g = lane // 4
+            q = lane % 4
+            if const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+            E = cute.size(counts)
+            e = slots[slot]
+            count = Int32(0)
+            if e < E and b < cute.size(codes, mode=[1]):
+                count = counts[e]
+            start = starts[e % E]
+            blocks_k = cute.size(scales, mode=[2])
+            xv = cute.logical_divide(x, (None, 2))  # [row, (2 words, K / 4)]
+            cur = cute.make_rmem_tensor(cute.make_layout(16), Int32)  # 4 chunks x 4 words
+            nxt = cute.make_rmem_tensor(cute.make_layout(16), Int32)
+            xr = cute.make_rmem_tensor(cute.make_layout((NT, 4, 2), stride=(8, 2, 1)), Int32)
+            acc = cute.make_rmem_tensor(cute.make_layout((NT, 4), stride=(4, 1)), Float32)
+            tmp = cute.make_rmem_tensor(cute.make_layout((NT, 4), stride=(4, 1)), Float32)
+            rows = cute.make_rmem_tensor(cute.make_layout(NT), Int32)
+            for m0 in cutlass.range(0, count, 8 * NT, unroll=1):
+                for nt in cutlass.range_constexpr(NT):  # lane's B column: pair m0 + 8 nt + g
+                    p = start + cutlass.min(m0 + 8 * nt + g, count - 1)
+                    if const_expr(self.gate_up):
+                        rows[nt] = order[p] // self.top_k
+                    else:
+                        rows[nt] = p
+                acc.fill(0.0)
+                for c in cutlass.range_constexpr(4):
+                    cute.copy(load_w, codes[e, b, c, lane, None], _words(cur, c))
+                sw = scales[e, b, 0, lane]
+                for blk in cutlass.range(blocks_k, unroll=1):
+                    ahead = cutlass.min(blk + 1, blocks_k - 1)
+                    for c in cutlass.range_constexpr(4):
+                        cute.copy(load_w, codes[e, b, 4 * ahead + c, lane, None], _words(nxt, c))
+                    sw_next = scales[e, b, ahead, lane]
+                    for c in cutlass.range_constexpr(4):
+                        kq = (blk * BLOCK_K + c * CHUNK) // 4 + q  # x's 8-byte vector of MMA 0
+                        for nt in cutlass.range_constexpr(NT):
+                            for j in cutlass.range_constexpr(4):
+                                cute.copy(load_x, xv[rows[nt], (None, kq + 4 * j)], xr[nt, j, None])
+                        sc = cute.arch.shuffle_sync(sw, offset=g * 4 + c)
+                        for half in cutlass.range_constexpr(2):  # the chunk's two scale groups
+                            for jj in cutlass.range_constexpr(2):
+                                j = 2 * half + jj
+                                w = cur[4 * c + j]
+                                a0, a1, a2, a3 = (_upcast(w, 0), _upcast(w, 1), _upcast(w, 2), _upcast(w, 3))
+                                for nt in cutlass.range_constexpr(NT):
+                                    if const_expr(jj == 0):
+                                        d = _mma(a0, a1, a2, a3, xr[nt, j, 0], xr[nt, j, 1], Float32(0.0),
+                                                 Float32(0.0), Float32(0.0), Float32(0.0))
+                                    else:
+                                        d = _mma(a0, a1, a2, a3, xr[nt, j, 0], xr[nt, j, 1], tmp[nt, 0], tmp[nt, 1],
+                                                 tmp[nt, 2], tmp[nt, 3])
+                                    for v in cutlass.range_constexpr(4):
+                                        tmp[nt, v] = d[v]
+                            f_lo, f_hi = _scale(sc, 2 * half), _scale(sc, 2 * half + 1)  # rows g, g + 8
+                            for nt in cutlass.range_constexpr(NT):
+                                acc[nt, 0] = acc[nt, 0] + tmp[nt, 0] * f_lo
+                                acc[nt, 1] = acc[nt, 1] + tmp[nt, 1] * f_lo
+                                acc[nt, 2] = acc[nt, 2] + tmp[nt, 2] * f_hi
+                                acc[nt, 3] = acc[nt, 3] + tmp[nt, 3] * f_hi
+                    cur.store(nxt.load())
+                    sw = sw_next
+                self.epilogue(acc, out, weights, order, start, count, m0, b, g, q)
+
+        @cute.jit
+        def epilogue(self, acc: cute.Tensor, out: cute.Tensor, weights: cute.Tensor, order: cute.Tensor,
+                     start: Int32, count: Int32, m0: Int32, b: Int32, g: Int32, q: Int32):
+            """Lane (g, q) holds, per n8 tile, rows g (acc 0, 1) and g + 8 (acc 2, 3) for
+            pairs m0 + 8 nt + 2 q + (0, 1)."""
+            for nt in cutlass.range_constexpr(self.tiles):
+                for h in cutlass.range_constexpr(2):
+                    m = m0 + 8 * nt + 2 * q + h
+                    if m < count:
+                        if const_expr(self.gate_up):  # rows g / g + 8: gate / up of output 8 b + g
+                            gate = acc[nt, h].to(BFloat16).to(Float32)
+                            up = acc[nt, 2 + h].to(BFloat16).to(Float32)
+                            act = (Float32(self.beta) * _tanh(gate / Float32(self.beta))
+                                   * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate)))
+                                   * (Float32(self.linear_beta) * _tanh(up / Float32(self.linear_beta))))
+                            out[start + m, 8 * b + g] = act.to(BFloat16)
+                        else:
+                            w = weights[order[start + m]]
+                            out[start + m, 16 * b + g] = acc[nt, h].to(BFloat16).to(Float32) * w
+                            out[start + m, 16 * b + 8 + g] = acc[nt, 2 + h].to(BFloat16).to(Float32) * w
+
+    @cute.jit
+    def _words(buf: cute.Tensor, c: cutlass.Constexpr) -> cute.Tensor:
+        """Chunk c's 4 words of a 16-word register buffer."""
+        return cute.make_tensor(buf.iterator + 4 * c, cute.make_layout(4))
+
+
+def _fake(dtype, shape):
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.insert(0, acc)
+        acc *= d
+    return make_fake_tensor(dtype, shape, tuple(stride), assumed_align=16)
+
+
+def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: int, top_k: int, tiles: int,
+                       warps: int, beta: float, linear_beta: float, pdl: bool, x_stride: int | None = None,
+                       arch: str = ""):
+    """The executor of one projection (compiled against fake tensors, no GPU needed; launched
+    on torch's current stream): N weight rows (2 I for gate_up), K; x [rows, K] bf16 with
+    row stride ``x_stride`` (K when None); ``arch`` (e.g. ``sm_90a``) compiles for that target."""
+    kernel = Mxfp4Experts(gate_up, top_k, tiles, warps, beta, linear_beta, pdl)
+    out = (_fake(BFloat16, (pairs, N // 2)) if gate_up else _fake(Float32, (pairs, N)))
+    x = make_fake_tensor(Int32, (rows, K // 2), ((x_stride or K) // 2, 1), assumed_align=16)
+    args = (x, _fake(Int32, (E, N // 16, K // CHUNK, WARP, 4)), _fake(Int32, (E, N // 16, K // BLOCK_K, WARP)),
+            _fake(Int32, (min(E, pairs),)), _fake(Int32, (pairs,)), _fake(Int32, (E,)), _fake(Int32, (E,)),
+            _fake(Float32, (pairs,)), out, make_fake_stream(use_tvm_ffi_env_stream=True))
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, *args, options=options)
+
+
+def tiles_for(pairs: int, slots: int) -> int:
+    """n8 tiles of pairs per pass over an expert's weight: twice the mean pairs per busy
+    expert (routing skew's headroom, as ``expert_ffn.block_rows``), at most 4."""
+    mean = -(-pairs // max(1, slots))
+    return 1 if mean <= 4 else 2 if mean <= 8 else 4
+
+
+_executors: dict[tuple, object] = {}
+
+
+def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, warps: int,
+               beta: float, linear_beta: float, pdl: bool):
+    """The compiled kernel for these shapes (compiled on first use, outside CUDA-graph
+    capture); x: the activations' int32 view [rows, K / 2]."""
+    E, NB, KC = codes.shape[:3]
+    key = (gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, warps, beta, linear_beta, pdl,
+           x.device.index)
+    if key not in _executors:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kimi_kernels.expert_ffn: no SM90 MXFP4 executor for {key} during CUDA-graph "
+                               "capture; warm up the step before capturing it")
+        _executors[key] = compile_projection(gate_up, E, 16 * NB, CHUNK * KC, x.shape[0], pairs, top_k, tiles,
+                                             warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0))
+    return _executors[key]
