@@ -30,6 +30,8 @@ from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: 
 from moe_experts import dense_experts  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
+from kimi_inductor.kernels.expert_ffn import implementation  # noqa: E402
+from kimi_inductor.kernels.expert_mxfp4 import mma_layout  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
 from kimi_inductor.stock import KimiK3Config, Parallel  # noqa: E402
 from kimi_inductor.stock.moe import KimiMoE, router_logits, select_experts  # noqa: E402
@@ -76,6 +78,18 @@ def random_params(layer: KimiMoE, device) -> dict[str, torch.Tensor]:
     return out
 
 
+def sm90_params(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` with MXFP4 experts reordered for the SM90 expert kernel where it runs
+    (``KimiMoE.mxfp4_for_sm90``; what ``build_model`` loads there), else ``params``."""
+    w13 = params["experts.w13_weight"]
+    if w13.dtype != torch.uint8 or implementation(w13.device, True, True)[0] != "cute":
+        return params
+    out = dict(params)
+    for name, gate_up in (("experts.w13_weight", True), ("experts.w2_weight", False)):
+        out[name], out[name + "_scale"] = mma_layout(params[name], params[name + "_scale"], gate_up)
+    return out
+
+
 def weight_bytes(params: dict[str, torch.Tensor]) -> tuple[float, int]:
     """(bytes of one routed expert, its MXFP4 scales included, bytes of every other weight)
     of a KimiMoE's parameters."""
@@ -97,6 +111,7 @@ def main(argv=None) -> Results:
     if args.mxfp4:
         layer.store_mxfp4()
     params = random_params(layer, device)
+    kimi_params = sm90_params(params)  # the baseline reads the checkpoint's layout, as stock does
     expert_bytes, other_bytes = weight_bytes(params)
 
     def step(params, x, is_padding):
@@ -112,7 +127,7 @@ def main(argv=None) -> Results:
         stock = torch.compile(step, backend=dense, dynamic=False)
         backend = KimiSpecialized({"passes": ["mega_moe", "lower_kernels"]})
         kimi = torch.compile(step, backend=backend, dynamic=False)
-        want, got = stock(params, x, pad).float(), kimi(params, x, pad).float()
+        want, got = stock(params, x, pad).float(), kimi(kimi_params, x, pad).float()
         err = float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
         _, ids = select_experts(router_logits(x, params["gate.weight"]), params["gate.e_score_correction_bias"],
                                 config.num_experts_per_token, True, 1.0)
@@ -123,7 +138,7 @@ def main(argv=None) -> Results:
             continue
         fl = floor_us(other_bytes + active * expert_bytes + rows * config.hidden_size * 2 * 2)
         t_stock = graph_time_us(lambda i: stock(params, x, pad), calls=3, replays=3)
-        t_kimi = graph_time_us(lambda i: kimi(params, x, pad), calls=5, replays=5)
+        t_kimi = graph_time_us(lambda i: kimi(kimi_params, x, pad), calls=5, replays=5)
         res.add(rows=rows, experts="mxfp4" if args.mxfp4 else "bf16", active_experts=active, floor_us=fl,
                 inductor_us=t_stock, kimi_us=t_kimi,
                 kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)

@@ -32,6 +32,7 @@ from collections import defaultdict
 
 ATTN_RES = "_attn_res_kernel"
 EXPERT_KERNELS = ("_up_kernel", "_down_kernel", "_combine_kernel")  # kernels/expert_ffn.py
+MXFP4_EXPERT_KERNEL = "expert_mxfp4Mxfp4Experts"  # in the CuTe DSL kernel's name (kernels/expert_mxfp4.py)
 PARTS = ("attention kda", "attention mla", "attn_res", "moe non-expert", "experts", "dense mlp", "collectives",
          "entry / exit")
 
@@ -87,7 +88,7 @@ def attribute(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], c
             if count % 2 == 0:
                 part = f"attention {'kda' if kind == 'kda' else 'mla'}"
             elif mlp == "moe":
-                part = "experts" if name in EXPERT_KERNELS else "moe non-expert"
+                part = "experts" if name in EXPERT_KERNELS or MXFP4_EXPERT_KERNEL in name else "moe non-expert"
             else:
                 part = "dense mlp"
         yield part, name, us

@@ -48,11 +48,21 @@ NAMESPACE = "kimi_kernels"
 
 
 @functools.lru_cache
-def implementation(device: torch.device, mxfp4: bool = False) -> tuple[str, str]:
+def implementation(device: torch.device, mxfp4: bool = False, mma_layout: bool = False) -> tuple[str, str]:
     """(name, reason) of the implementation the op runs on ``device`` (asked once per
-    device: the op calls it on every step); ``mxfp4``: for experts stored as MXFP4."""
+    device: the op calls it on every step); ``mxfp4``: for experts stored as MXFP4,
+    ``mma_layout``: in the SM90 kernel's layout (``expert_mxfp4.mma_layout``, 5-D)."""
     if device.type == "meta":
         return "chosen at run time", "compiled on the meta device"
+    if mma_layout:
+        from .skinny_gemm import cute_available
+
+        kind = "SM90 MXFP4 expert kernel (CuTe DSL, mma.sync, codes in its MMA layout)"
+        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+            return "reference", f"{device.type}: the {kind} needs an SM90+ GPU (the reference reads its layout)"
+        if cute_available():
+            return "reference", f"the {kind} needs CuTe DSL: {cute_available()}"
+        return "cute", kind
     if triton is None:
         return "reference", "Triton is not installed"
     kind = "grouped Triton MXFP4 expert kernel (in-register E2M1 upcast)" if mxfp4 else "grouped Triton expert kernel"
@@ -329,8 +339,10 @@ def expert_ffn(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tens
     [E, L, I / 32], upcast tile by tile in registers: the result is the op on the
     dequantised experts (bitwise on H200 at the default tiles: the same bf16 weights and
     dots)."""
-    if implementation(latent.device, w13_scale is not None)[0] != "triton" or \
-            latent.dtype not in (torch.bfloat16, torch.float32):
+    impl = implementation(latent.device, w13_scale is not None, w13.dim() == 5)[0]
+    if impl == "cute" and latent.dtype == torch.bfloat16:
+        return mma_grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
+    if impl != "triton" or latent.dtype not in (torch.bfloat16, torch.float32):
         return reference(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
     return grouped(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale, w2_scale)
 
@@ -403,7 +415,7 @@ def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Ten
                 linear_beta: float, w13_scale: Tensor, w2_scale: Tensor, tiles: int | None = None,
                 warps: int = 4) -> Tensor:
     """The SM90 CuTe DSL kernels for MXFP4 experts in their MMA layout
-    (``expert_mxfp4.mma_layout``: w13 [E, 2 I / 16, L / 64, 32, 4] int32, ...): the pairs
+    (``expert_mxfp4.mma_layout``: w13 [E, 2 I / 16, L / 64, 32, 16] uint8, ...): the pairs
     grouped by expert as ``grouped``, the up and down projections one warp per 16 weight
     rows, then ``_combine_kernel``."""
     from . import expert_mxfp4 as MX
@@ -418,10 +430,12 @@ def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Ten
     h = latent.new_empty(n_pairs, I)
     y = torch.empty(n_pairs, L, dtype=torch.float32, device=latent.device)
     weights = topk_weights.contiguous().view(-1)
+    if latent.stride(0) % 8 and T > 1:  # x's 16-byte loads need 16-byte rows
+        latent = latent.contiguous()
     for gate_up, x, w, s, out in ((True, latent, w13, w13_scale, h), (False, h, w2, w2_scale, y)):
-        x32 = x.view(torch.int32)
-        MX.projection(gate_up, x32, w, n_pairs, top_k, tiles, warps, beta, linear_beta, on)(
-            x32, w, s, slots, order, starts, counts, weights, out)
+        x32, w32, s32 = x.view(torch.int32), w.view(torch.int32), s.view(torch.int32).squeeze(-1)
+        MX.projection(gate_up, x32, w32, n_pairs, top_k, tiles, warps, beta, linear_beta, on)(
+            x32, w32, s32, slots, order, starts, counts, weights, out)
     out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
     block = 512
     _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block, **pdl(latent.device))

@@ -24,12 +24,13 @@ value. The E8M0 scale applies per 32-element group to the fp32 MMA results (the 
 two MMAs into a fresh accumulator, then acc += tmp 2^(s - 127), a power of two): the
 result is the dequantised expert's up to fp32 summation order.
 
-Layout (``mma_layout``; same bytes as the checkpoint's): codes [E, N / 16, K / 64, 32, 4]
-int32, scales [E, N / 16, K / 256, 32] int32. Block b's fragment row r is weight row
+Layout (``mma_layout``; the checkpoint's bytes reordered, uint8 and 5-D, read as int32
+words): codes [E, N / 16, K / 64, 32, 16], scales [E, N / 16, K / 256, 32, 4]. Block b's fragment row r is weight row
 16 b + r, or for gate_up rows 8 b + r (r < 8) and I + 8 b + r - 8. For lane t (g = t // 4,
 q = t % 4), word j of chunk c holds MMA j's values: register i (0..3), half h is row
-g + 8 (i & 1), K element 64 c + 16 j + 4 q + 2 (i >> 1) + h (a permutation of K within
-each 16, which x's loads follow), its nibble at ``BITS[i]`` (+ 16 h). Scale word of lane
+g + 8 (i & 1), K element 64 c + 32 (j >> 1) + 8 q + 4 (j & 1) + 2 (i >> 1) + h (a
+permutation of K within each 32-element scale group, which x follows: a lane's x of two
+MMAs is one 16-byte load), its nibble at ``BITS[i]`` (+ 16 h). Scale word of lane
 t and 256-block: bytes (group 2 q, row g), (2 q, g + 8), (2 q + 1, g), (2 q + 1, g + 8) of
 the block's 8 groups; chunk c's lanes take lane (g, c % 4)'s word by a shuffle.
 """
@@ -76,19 +77,22 @@ def _block_rows(N: int, gate_up: bool) -> Tensor:
 
 def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Tensor]:
     """Checkpoint MXFP4 (codes [E, N, K / 2] uint8, low nibble = even column; scales [E, N,
-    K / 32] uint8) -> the kernel's (codes [E, N / 16, K / 64, 32, 4] int32, scales [E, N / 16,
-    K / 256, 32] int32), expert by expert; ``gate_up``: N = 2 I rows, gate then up."""
+    K / 32] uint8) -> the kernel's, the same bytes reordered (codes [E, N / 16, K / 64, 32,
+    16] uint8, scales [E, N / 16, K / 256, 32, 4] uint8: still uint8, 5-D), expert by
+    expert; ``gate_up``: N = 2 I rows, gate then up."""
     E, N, half_k = codes.shape
     K = 2 * half_k
     assert not supported(N, K), supported(N, K)
     rows = _block_rows(N, gate_up).to(codes.device)
     shift = torch.tensor(BITS, dtype=torch.int64, device=codes.device)  # [i, bit]
     out_c = torch.empty(E, N // 16, K // CHUNK, WARP, 4, dtype=torch.int32, device=codes.device)
-    out_s = torch.empty(E, N // 16, K // BLOCK_K, WARP, dtype=torch.int32, device=codes.device)
+    out_s = torch.empty(E, N // 16, K // BLOCK_K, WARP, 1, dtype=torch.int32, device=codes.device)
     for e in range(E):
         nib = torch.stack([codes[e] & 15, codes[e] >> 4], -1).view(N, K).long()[rows]  # [NB, 16, K]
+        # K element 64 c + 32 jh + 8 q + 4 jl + 2 ih + h is MMA j = 2 jh + jl's (q, ih, h)
+        nib = nib.view(N // 16, 2, 8, K // CHUNK, 2, 4, 2, 2, 2).transpose(5, 6).reshape(
+            N // 16, 2, 8, K // CHUNK, 4, 4, 2, 2)
         # [NB, il, g, c, j, q, ih, h] -> bits of (m, e0, e1, sign) at BITS[il + 2 ih] + 16 h
-        nib = nib.view(N // 16, 2, 8, K // CHUNK, 4, 4, 2, 2)
         bits = torch.stack([(nib >> b) & 1 for b in range(4)], -1)  # [..., 4]: m, e0, e1, sign
         pos = shift.view(2, 2, 4).transpose(0, 1)  # [il, ih, bit]
         pos = pos[None, :, None, None, None, None, :, None, :] + 16 * torch.arange(2, device=codes.device).view(
@@ -98,8 +102,8 @@ def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Te
         s = scales[e].long()[rows].view(N // 16, 2, 8, K // BLOCK_K, 4, 2)  # [NB, r8, g, blk, q, group parity]
         sw = (s << (8 * (2 * torch.arange(2, device=codes.device).view(1, 1, 1, 1, 1, 2)
                          + torch.arange(2, device=codes.device).view(1, 2, 1, 1, 1, 1)))).sum((1, 5))
-        out_s[e] = sw.permute(0, 2, 1, 3).reshape(N // 16, K // BLOCK_K, WARP).to(torch.int32)
-    return out_c, out_s
+        out_s[e] = sw.permute(0, 2, 1, 3).reshape(N // 16, K // BLOCK_K, WARP, 1).to(torch.int32)
+    return out_c.view(torch.uint8), out_s.view(torch.uint8)
 
 
 def checkpoint_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Tensor]:
@@ -107,7 +111,7 @@ def checkpoint_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Ten
     E, NB, KC = codes.shape[:3]
     N, K = 16 * NB, CHUNK * KC
     rows = _block_rows(N, gate_up).to(codes.device).reshape(-1)
-    w = codes.long() & 0xFFFFFFFF  # [E, NB, c, lane, j]
+    w = codes.view(torch.int32).long() & 0xFFFFFFFF  # [E, NB, c, lane, j]
     w = w.view(E, NB, KC, 8, 4, 4).permute(0, 1, 3, 2, 5, 4)  # [E, NB, g, c, j, q]
     pos = torch.tensor(BITS, dtype=torch.int64, device=codes.device)
     nib = torch.empty(E, NB, 2, 8, KC, 4, 4, 2, 2, dtype=torch.int64, device=codes.device)
@@ -117,9 +121,9 @@ def checkpoint_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Ten
                 p = pos[il + 2 * ih] + 16 * h
                 nib[:, :, il, :, :, :, :, ih, h] = sum(((w >> p[b]) & 1) << b for b in range(4))
     flat = torch.empty(E, N, K, dtype=torch.int64, device=codes.device)
-    flat[:, rows] = nib.view(E, N, K)
+    flat[:, rows] = nib.view(E, NB, 2, 8, KC, 2, 2, 4, 2, 2).transpose(6, 7).reshape(E, N, K)
     out_c = (flat[..., 0::2] | (flat[..., 1::2] << 4)).to(torch.uint8)
-    s = scales.long() & 0xFFFFFFFF  # [E, NB, blk, lane]
+    s = scales.view(torch.int32).long().squeeze(-1) & 0xFFFFFFFF  # [E, NB, blk, lane]
     s = s.view(E, NB, -1, 8, 4).permute(0, 1, 3, 2, 4)  # [E, NB, g, blk, q]
     groups = torch.stack([torch.stack([(s >> (8 * (2 * p + r))) & 0xFF for p in range(2)], -1)
                           for r in range(2)], 2)  # [E, NB, r8, g, blk, q, parity]
@@ -204,7 +208,7 @@ if cutlass is not None:
                      out: cute.Tensor, stream: CUstream):
             load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
                                          load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-            load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=64,
+            load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
                                          load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
             blocks = cute.size(codes, mode=[1])
             self.kernel(x, codes, scales, slots, order, starts, counts, weights, out, load_w, load_x).launch(
@@ -233,10 +237,10 @@ if cutlass is not None:
                 count = counts[e]
             start = starts[e % E]
             blocks_k = cute.size(scales, mode=[2])
-            xv = cute.logical_divide(x, (None, 2))  # [row, (2 words, K / 4)]
+            xv = cute.logical_divide(x, (None, 4))  # [row, (4 words, K / 8)]
             cur = cute.make_rmem_tensor(cute.make_layout(16), Int32)  # 4 chunks x 4 words
             nxt = cute.make_rmem_tensor(cute.make_layout(16), Int32)
-            xr = cute.make_rmem_tensor(cute.make_layout((NT, 4, 2), stride=(8, 2, 1)), Int32)
+            xr = cute.make_rmem_tensor(cute.make_layout((NT, 2, 4), stride=(8, 4, 1)), Int32)
             acc = cute.make_rmem_tensor(cute.make_layout((NT, 4), stride=(4, 1)), Float32)
             tmp = cute.make_rmem_tensor(cute.make_layout((NT, 4), stride=(4, 1)), Float32)
             rows = cute.make_rmem_tensor(cute.make_layout(NT), Int32)
@@ -248,19 +252,20 @@ if cutlass is not None:
                     else:
                         rows[nt] = p
                 acc.fill(0.0)
+                ce, se = _expert(codes, e), _expert(scales, e)
                 for c in cutlass.range_constexpr(4):
-                    cute.copy(load_w, codes[e, b, c, lane, None], _words(cur, c))
-                sw = scales[e, b, 0, lane]
+                    cute.copy(load_w, ce[b, c, lane, None], _words(cur, c))
+                sw = se[b, 0, lane]
                 for blk in cutlass.range(blocks_k, unroll=1):
                     ahead = cutlass.min(blk + 1, blocks_k - 1)
                     for c in cutlass.range_constexpr(4):
-                        cute.copy(load_w, codes[e, b, 4 * ahead + c, lane, None], _words(nxt, c))
-                    sw_next = scales[e, b, ahead, lane]
+                        cute.copy(load_w, ce[b, 4 * ahead + c, lane, None], _words(nxt, c))
+                    sw_next = se[b, ahead, lane]
                     for c in cutlass.range_constexpr(4):
-                        kq = (blk * BLOCK_K + c * CHUNK) // 4 + q  # x's 8-byte vector of MMA 0
+                        kq = (blk * BLOCK_K + c * CHUNK) // 8 + q  # x's 16 bytes of MMAs 0 and 1
                         for nt in cutlass.range_constexpr(NT):
-                            for j in cutlass.range_constexpr(4):
-                                cute.copy(load_x, xv[rows[nt], (None, kq + 4 * j)], xr[nt, j, None])
+                            for jh in cutlass.range_constexpr(2):
+                                cute.copy(load_x, xv[rows[nt], (None, kq + 4 * jh)], xr[nt, jh, None])
                         sc = cute.arch.shuffle_sync(sw, offset=g * 4 + c)
                         for half in cutlass.range_constexpr(2):  # the chunk's two scale groups
                             for jj in cutlass.range_constexpr(2):
@@ -268,12 +273,12 @@ if cutlass is not None:
                                 w = cur[4 * c + j]
                                 a0, a1, a2, a3 = (_upcast(w, 0), _upcast(w, 1), _upcast(w, 2), _upcast(w, 3))
                                 for nt in cutlass.range_constexpr(NT):
+                                    b0, b1 = xr[nt, half, 2 * jj], xr[nt, half, 2 * jj + 1]
                                     if const_expr(jj == 0):
-                                        d = _mma(a0, a1, a2, a3, xr[nt, j, 0], xr[nt, j, 1], Float32(0.0),
-                                                 Float32(0.0), Float32(0.0), Float32(0.0))
+                                        d = _mma(a0, a1, a2, a3, b0, b1, Float32(0.0), Float32(0.0), Float32(0.0),
+                                                 Float32(0.0))
                                     else:
-                                        d = _mma(a0, a1, a2, a3, xr[nt, j, 0], xr[nt, j, 1], tmp[nt, 0], tmp[nt, 1],
-                                                 tmp[nt, 2], tmp[nt, 3])
+                                        d = _mma(a0, a1, a2, a3, b0, b1, tmp[nt, 0], tmp[nt, 1], tmp[nt, 2], tmp[nt, 3])
                                     for v in cutlass.range_constexpr(4):
                                         tmp[nt, v] = d[v]
                             f_lo, f_hi = _scale(sc, 2 * half), _scale(sc, 2 * half + 1)  # rows g, g + 8
@@ -308,6 +313,13 @@ if cutlass is not None:
                             out[start + m, 16 * b + 8 + g] = acc[nt, 2 + h].to(BFloat16).to(Float32) * w
 
     @cute.jit
+    def _expert(t: cute.Tensor, e: Int32) -> cute.Tensor:
+        """Expert e's slice of an [E, ...] weight tensor, offset in 64 bits (all experts'
+        codes exceed 2^31 int32 words at 896 experts)."""
+        return cute.make_tensor((t.iterator + cutlass.Int64(e) * t.layout.stride[0]).align(16),
+                                cute.select(t.layout, mode=list(range(1, cute.rank(t)))))
+
+    @cute.jit
     def _words(buf: cute.Tensor, c: cutlass.Constexpr) -> cute.Tensor:
         """Chunk c's 4 words of a 16-word register buffer."""
         return cute.make_tensor(buf.iterator + 4 * c, cute.make_layout(4))
@@ -338,10 +350,14 @@ def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: 
 
 
 def tiles_for(pairs: int, slots: int) -> int:
-    """n8 tiles of pairs per pass over an expert's weight: twice the mean pairs per busy
-    expert (routing skew's headroom, as ``expert_ffn.block_rows``), at most 4."""
+    """n8 tiles of pairs per pass over an expert's weight, from the mean pairs per busy
+    expert: one up to 6, two up to 12, else four. Measured on the H200 at EP 8 shapes
+    (112 experts, docs/results/moe_experts_mxfp4_mma_h200_sweep.json): one tile is best
+    at 1 / 8 / 32 rows (mean 1 / 1.6 / 4.6; two tiles 1.14-1.19x slower), two at 64 rows
+    (mean 9.1; one 1.09x, four 1.41x slower: the loop is bound by its instructions, and
+    every tile adds x loads and MMAs)."""
     mean = -(-pairs // max(1, slots))
-    return 1 if mean <= 4 else 2 if mean <= 8 else 4
+    return 1 if mean <= 6 else 2 if mean <= 12 else 4
 
 
 _executors: dict[tuple, object] = {}

@@ -48,17 +48,19 @@ def check_capacity(rows: int, max_num_tokens: int) -> None:
             f"a smaller batch)")
 
 
-def implementation(device: torch.device, hidden: int, intermediate: int, mxfp4: bool = False) -> tuple[str, str]:
+def implementation(device: torch.device, hidden: int, intermediate: int, mxfp4: bool = False,
+                   mma_layout: bool = False) -> tuple[str, str]:
     """(name, reason) of what runs the op on ``device``: DeepGEMM MegaMoE where it can
     (SM100, bf16 experts: it quantises them itself), else the all-gather / grouped
-    Triton experts / reduce-scatter path."""
+    experts (``expert_ffn``; ``mma_layout``: MXFP4 in the SM90 kernel's layout) /
+    reduce-scatter path."""
     if device.type == "meta":
         return "chosen at run time", "compiled on the meta device"
     why = "the experts are already MXFP4 (ours takes them as stored)" if mxfp4 else \
         deepgemm.unsupported(device, hidden, intermediate)
     if not why:
         return "deepgemm", "DeepGEMM fp8_fp4_mega_moe (MXFP4 experts, FP8 dispatch, NVLink exchange)"
-    impl, reason = experts.implementation(device, mxfp4)
+    impl, reason = experts.implementation(device, mxfp4, mma_layout)
     return impl, f"{reason}; not DeepGEMM MegaMoE: {why}"
 
 

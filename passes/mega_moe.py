@@ -85,10 +85,12 @@ def _route(g: fx.Graph, call: OpCall) -> tuple[fx.Node, str]:
     arg, node = call.arg, call.node
     latent, w2 = arg("latent").meta["val"], arg("w2").meta["val"]
     scales = () if arg("w13_scale") is None else (arg("w13_scale"), arg("w2_scale"))
+    mma = w2.dim() == 5  # MXFP4 in the SM90 kernel's layout (kernels/expert_mxfp4.py)
     if call.op is kimi.ep_experts.default:
-        impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2], mxfp4=bool(scales))
+        impl, why = mega_moe.implementation(latent.device, latent.shape[1], w2.shape[2], mxfp4=bool(scales),
+                                            mma_layout=mma)
     else:
-        impl, why = expert_ffn.implementation(latent.device, bool(scales))
+        impl, why = expert_ffn.implementation(latent.device, bool(scales), mma)
     common = (arg("w13"), arg("w2"))
     act = (arg("beta"), arg("linear_beta"), *scales)
     with g.inserting_before(node):

@@ -169,3 +169,30 @@ def test_build_model_is_strict_too():
         build_model(c, {**t, "model.norm.weight": t["model.norm.weight"].int()})
     with pytest.raises(ValueError, match=E7):
         build_model(c, _drop(t, E7))
+
+
+def test_mxfp4_experts_in_the_sm90_kernel_layout_compute_the_same():
+    """``mxfp4_layout='sm90'`` reorders the packed experts' bytes for the SM90 expert kernel
+    (5-D uint8, the same bytes); the stock step reads them back bitwise as loaded. Shapes
+    the kernel cannot take raise, naming the fallback."""
+    import dataclasses
+
+    from kimi_inductor.stock.batch import DecodeBatch
+
+    c = dataclasses.replace(KimiK3Config.preset("tiny"), routed_expert_hidden_size=256, moe_intermediate_size=256)
+    t = random_checkpoint(c, seed=6, experts="mxfp4")
+    packed, sm90 = build_model(c, t, mxfp4_layout="checkpoint"), build_model(c, t, mxfp4_layout="sm90")
+    ex, ref = sm90.model.layers[1].block_sparse_moe.experts, packed.model.layers[1].block_sparse_moe.experts
+    assert ex.w13_weight.dtype == torch.uint8 and ex.w13_weight.dim() == 5 and ref.w13_weight.dim() == 3
+    assert sum(p.numel() for p in sm90.parameters()) == sum(p.numel() for p in packed.parameters())
+    batch = DecodeBatch(3, 2, 1, c.vocab_size)
+    step = batch.step()
+    with torch.no_grad():
+        outs = [m(step, m.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q))
+                for m in (packed, sm90)]
+    assert torch.equal(*outs)
+    tiny = KimiK3Config.preset("tiny")
+    with pytest.raises(ValueError, match="mxfp4_layout='checkpoint'"):
+        build_model(tiny, random_checkpoint(tiny, experts="mxfp4"), mxfp4_layout="sm90")
+    assert build_model(tiny, random_checkpoint(tiny, experts="mxfp4")).model.layers[1] \
+        .block_sparse_moe.experts.w13_weight.dim() == 3  # "auto" on the CPU: as stored

@@ -379,12 +379,17 @@ def _mlp(out: dict, get: Callable[[str], Tensor], prefix: str, sharded: bool, pa
 
 def build_model(config: KimiK3Config, tensors: Mapping[str, Tensor], par: Parallel | None = None,
                 device: torch.device | str | None = None,
-                dtype: torch.dtype = torch.bfloat16) -> KimiLinearForCausalLM:
+                dtype: torch.dtype = torch.bfloat16, mxfp4_layout: str = "auto") -> KimiLinearForCausalLM:
     """Construct one rank's stock decoder and load its shard of ``tensors``.
 
     ``dtype`` is the activation dtype: bf16 as Kimi K3 is served, or fp32, which
     turns every bf16 rounding point into the identity (used to check that layouts
-    and rewrites compute the same function; docs/testing.md)."""
+    and rewrites compute the same function; docs/testing.md). MXFP4 experts stay packed;
+    ``mxfp4_layout``: "checkpoint" keeps their bytes as stored, "sm90" reorders them for
+    the SM90 expert kernel (``KimiMoE.mxfp4_for_sm90``), "auto" does so where that kernel
+    runs (an SM90+ GPU with CuTe DSL, bf16 activations, shapes it takes)."""
+    if mxfp4_layout not in ("auto", "checkpoint", "sm90"):
+        raise ValueError(f"mxfp4_layout={mxfp4_layout!r}: use 'auto', 'checkpoint' or 'sm90'")
     check_tensors(config, tensors)
     model = KimiLinearForCausalLM(config, par, device="meta")
     if all(name.endswith(("weight_packed", "weight_scale")) for name in tensors if ".experts." in name):
@@ -395,4 +400,29 @@ def build_model(config: KimiK3Config, tensors: Mapping[str, Tensor], par: Parall
     state = {k: v.to(device=device or "cpu", dtype=params[k].dtype)
              for k, v in rank_state_dict(model, tensors).items()}
     model.load_state_dict(state, strict=True, assign=True)
+    if mxfp4_layout == "sm90" or (mxfp4_layout == "auto" and dtype == torch.bfloat16 and _sm90_kernel(device)):
+        for layer in model.model.layers:
+            moe = layer.block_sparse_moe if layer.is_moe_layer else None
+            if moe is None or moe.experts.w13_weight.dtype != torch.uint8:
+                continue
+            why = _sm90_shapes(moe)
+            if why and mxfp4_layout == "sm90":
+                raise ValueError(f"mxfp4_layout='sm90': {why} (load with mxfp4_layout='checkpoint')")
+            if not why:
+                moe.mxfp4_for_sm90()
     return model.to(dtype) if dtype != torch.bfloat16 else model
+
+
+def _sm90_kernel(device) -> bool:
+    from kimi_inductor.kernels.expert_ffn import implementation
+
+    device = torch.device(device or "cpu")
+    return device.type == "cuda" and implementation(device, True, True)[0] == "cute"
+
+
+def _sm90_shapes(moe) -> str:
+    """Why the SM90 MXFP4 kernel cannot take this layer's experts ('' when it can)."""
+    from kimi_inductor.kernels.expert_mxfp4 import supported
+
+    w13, w2 = moe.experts.w13_weight, moe.experts.w2_weight
+    return supported(w13.shape[1], 2 * w13.shape[2]) or supported(w2.shape[1], 2 * w2.shape[2])

@@ -199,6 +199,19 @@ class KimiMoE(nn.Module):
             setattr(ex, name + "_scale", nn.Parameter(torch.empty(E, N, K // 32, dtype=torch.uint8, device=device),
                                                       requires_grad=False))
 
+    def mxfp4_for_sm90(self) -> None:
+        """Reorder the MXFP4 experts' bytes into the SM90 expert kernel's layout
+        (``kernels.expert_mxfp4.mma_layout``: still uint8, the same bytes, 5-D), layer by
+        layer at load time; the expert ops read either layout (the stock math dequantises
+        it back)."""
+        from kimi_inductor.kernels.expert_mxfp4 import mma_layout
+
+        ex = self.experts
+        for name, gate_up in (("w13_weight", True), ("w2_weight", False)):
+            codes, scales = mma_layout(getattr(ex, name), getattr(ex, name + "_scale"), gate_up)
+            setattr(ex, name, nn.Parameter(codes, requires_grad=False))
+            setattr(ex, name + "_scale", nn.Parameter(scales, requires_grad=False))
+
     def forward(self, x: Tensor, is_padding: Tensor) -> Tensor:
         logits = router_logits(x, self.gate.weight)
         weights, ids = select_experts(logits, self.gate.e_score_correction_bias, self.top_k,

@@ -44,7 +44,13 @@ def dequantize_experts(packed: Tensor, scales: Tensor) -> Tensor:
 def expert_weights(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None,
                    dtype: torch.dtype = torch.bfloat16):
     """(w13, w2) as weights: dequantised to ``dtype`` (the activations') where they are
-    MXFP4 (scales given; the values are exact in bf16 and fp32)."""
+    MXFP4 (scales given; the values are exact in bf16 and fp32), in the checkpoint's
+    layout or the SM90 kernel's (5-D, ``kernels.expert_mxfp4.mma_layout``)."""
     if w13_scale is None:
         return w13, w2
+    if w13.dim() == 5:
+        from kimi_inductor.kernels.expert_mxfp4 import checkpoint_layout
+
+        (w13, w13_scale), (w2, w2_scale) = (checkpoint_layout(w13, w13_scale, True),
+                                            checkpoint_layout(w2, w2_scale, False))
     return dequantize_experts(w13, w13_scale).to(dtype), dequantize_experts(w2, w2_scale).to(dtype)

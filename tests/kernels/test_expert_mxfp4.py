@@ -1,7 +1,8 @@
 """The SM90 MXFP4 expert kernels (kernels/expert_mxfp4.py): their weight layout on the CPU
 (a bijection of the checkpoint's bytes; read back with the kernel's own bit arithmetic,
 emulated in torch, it is the dequantised expert exactly), their sm_90a compile without a
-GPU, and on the GPU ``mma_grouped`` against the stock loop on the dequantised experts
+GPU, and on the GPU the op on experts in that layout (``mma_grouped``) against the stock
+loop on the dequantised experts
 (tolerance as tests/kernels/test_expert_ffn.py: fp32 sums in another order) and against
 the Triton MXFP4 kernel.
 """
@@ -34,7 +35,8 @@ def _kernel_read(codes, scales, gate_up):
     E, NB, KC = codes.shape[:3]
     N, K = 16 * NB, MX.CHUNK * KC
     rows = MX._block_rows(N, gate_up)
-    w, sw = codes.long() & 0xFFFFFFFF, scales.long() & 0xFFFFFFFF
+    w = codes.view(torch.int32).long() & 0xFFFFFFFF
+    sw = scales.view(torch.int32).squeeze(-1).long() & 0xFFFFFFFF
     W = torch.zeros(E, N, K)
     for i in range(4):
         if i == 0:
@@ -53,7 +55,7 @@ def _kernel_read(codes, scales, gate_up):
                     for j in range(4):
                         s = (word >> (8 * (2 * (j // 2) + (i & 1)))) & 0xFF
                         f = torch.where(s > 0, s << 23, 0x400000).to(torch.int32).view(torch.float32)
-                        k = MX.CHUNK * c + 16 * j + 4 * q + 2 * (i >> 1) + h
+                        k = MX.CHUNK * c + 32 * (j >> 1) + 8 * q + 4 * (j & 1) + 2 * (i >> 1) + h
                         W[:, rows[:, g + 8 * (i & 1)], k] = val[:, :, c, lane, j] * f
     return W
 
@@ -62,7 +64,7 @@ def _kernel_read(codes, scales, gate_up):
 def test_mma_layout_is_a_bijection_of_the_checkpoint_bytes(gate_up):
     codes, scales = _checkpoint(3, 64, 768)
     c, s = MX.mma_layout(codes, scales, gate_up)
-    assert c.numel() * 4 == codes.numel() and s.numel() * 4 == scales.numel()
+    assert c.dtype == torch.uint8 and c.numel() == codes.numel() and s.numel() == scales.numel()
     back = MX.checkpoint_layout(c, s, gate_up)
     assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
 
@@ -94,7 +96,7 @@ def test_mma_grouped_matches_the_stock_loop(T, k, E, L, I):
     q13, s13 = _checkpoint(E, 2 * I, L, seed=1, lo=115, hi=125, device="cuda")
     q2, s2 = _checkpoint(E, L, I, seed=2, lo=118, hi=126, device="cuda")
     (c13, t13), (c2, t2) = MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False)
-    got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)
+    got = torch.ops.kimi_kernels.expert_ffn(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)  # its 5-D layout
     want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     triton = X.grouped(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     for other in (want, triton):
