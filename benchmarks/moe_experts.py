@@ -83,7 +83,8 @@ def eager_time_us(fn, iters: int = 5) -> float:
 
 
 def plot(json_path: str, png: str) -> None:
-    """Time against rows per expert count: ours MXFP4 / bf16, Inductor, both byte floors."""
+    """Time against rows per expert count: ours MXFP4 (both kernels) / bf16, Inductor, both
+    byte floors."""
     import json
 
     import matplotlib
@@ -94,7 +95,8 @@ def plot(json_path: str, png: str) -> None:
     rows = json.load(open(json_path))["rows"]
     counts = sorted({r["experts"] for r in rows})
     fig, axes = plt.subplots(1, len(counts), figsize=(5.5 * len(counts), 4), squeeze=False)
-    series = (("mxfp4_us", "o-", "ours, MXFP4"), ("ours_us", "s-", "ours, bf16"),
+    series = (("mxfp4_mma_us", "o-", "ours, MXFP4 (SM90 CuTe DSL, mma.sync)"),
+              ("mxfp4_triton_us", "D-", "ours, MXFP4 (Triton WGMMA)"), ("ours_us", "s-", "ours, bf16"),
               ("inductor_dequant_dense_us", "^-", "Inductor: dequantise + dense"),
               ("mxfp4_floor_us", "k--", "MXFP4 byte floor"), ("floor_us", "k:", "bf16 byte floor"))
     for ax, E in zip(axes[0], counts):
