@@ -307,14 +307,56 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * L + cols, acc, mask=cmask)
 
 
-def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(order, starts, counts, position): the (token, slot) pairs sorted by local expert.
+    @triton.jit
+    def _group_kernel(ids_ptr, order_ptr, starts_ptr, counts_ptr, position_ptr, slots_ptr, P, E, S,
+                      PB: tl.constexpr, EB: tl.constexpr, BQ: tl.constexpr, PDL: tl.constexpr):
+        """``group_pairs`` in one program (P <= PB pairs, E + 2 <= EB): a histogram of the
+        keys (local expert, or E for another rank's), their exclusive prefix sum, each
+        pair's rank among the earlier pairs of its key (compared BQ at a time: stable)."""
+        pdl_wait(PDL)
+        p = tl.arange(0, PB)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        key = tl.where(p < P, tl.where((ids >= 0) & (ids < E), ids, E), E + 1)
+        counts = tl.histogram(key, EB)
+        starts = tl.cumsum(counts, 0) - counts
+        rank = tl.zeros([PB], dtype=tl.int32)
+        for q0 in range(0, P, BQ):
+            q = q0 + tl.arange(0, BQ)
+            other = tl.load(ids_ptr + q, mask=q < P, other=-1)
+            other = tl.where(q < P, tl.where((other >= 0) & (other < E), other, E), E + 1)
+            rank += tl.sum(((key[:, None] == other[None, :]) & (q[None, :] < p[:, None])).to(tl.int32), 1)
+        pos = tl.gather(starts, key, 0) + rank
+        tl.store(order_ptr + pos, p, mask=p < P)
+        tl.store(position_ptr + p, tl.where(key < E, pos, -1), mask=p < P)
+        bins = tl.arange(0, EB)
+        tl.store(counts_ptr + bins, counts, mask=bins < E)
+        tl.store(starts_ptr + bins, starts, mask=bins < E)
+        busy = (counts > 0) & (bins < E)
+        slot = tl.cumsum(busy.to(tl.int32), 0) - 1
+        tl.store(slots_ptr + bins, tl.full([EB], 0, tl.int32) + E, mask=bins < S)
+        tl.debug_barrier()
+        tl.store(slots_ptr + slot, bins, mask=busy & (slot < S))
 
-    order [T k] int32: pair indices (t k + j), this rank's pairs first, by expert;
+
+GROUP_PAIRS_MAX = 1024  # pairs ``_group_kernel`` takes (its rank pass is quadratic); more: torch
+
+
+def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(order, starts, counts, position, slots): the (token, slot) pairs sorted by local expert.
+
+    order [T k] int32: pair indices (t k + j), this rank's pairs first, by expert, stable;
     starts/counts [E] int32: each expert's range in ``order``; position [T k] int32:
-    where pair t k + j sits in ``order``, -1 when its expert is not local.
+    where pair t k + j sits in ``order``, -1 when its expert is not local; slots
+    [min(E, T k)] int32: the i-th local expert with pairs (E: none). One Triton launch up
+    to ``GROUP_PAIRS_MAX`` pairs (decode), else torch's sort and scans (``expert_slots``).
     """
     flat = topk_ids.reshape(-1)
+    P, n_slots = flat.numel(), min(experts, flat.numel())
+    if triton is not None and (flat.is_cuda or INTERPRET) and P <= GROUP_PAIRS_MAX:
+        out = [torch.empty(n, dtype=torch.int32, device=flat.device) for n in (P, experts, experts, P, n_slots)]
+        _group_kernel[(1,)](flat.to(torch.int32).contiguous(), *out, P, experts, n_slots, PB=max(16, triton.next_power_of_2(P)),
+                            EB=triton.next_power_of_2(experts + 2), BQ=16, num_warps=8, **pdl(flat.device))
+        return tuple(out)
     local = (flat >= 0) & (flat < experts)
     key = torch.where(local, flat, experts).to(torch.int64)
     order = torch.argsort(key, stable=True)
@@ -324,7 +366,8 @@ def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor,
     starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     position = torch.empty_like(key).scatter_(0, order, torch.arange(key.numel(), device=flat.device))
     position = torch.where(local, position, -1)
-    return order.to(torch.int32), starts, counts.contiguous(), position.to(torch.int32)
+    return (order.to(torch.int32), starts, counts.contiguous(), position.to(torch.int32),
+            expert_slots(counts, n_slots))
 
 
 def _fake(latent, topk_weights, topk_ids, w13, w2, beta, linear_beta, w13_scale=None, w2_scale=None):
@@ -379,7 +422,7 @@ def grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor,
     if mxfp4:  # the MXFP4 K loop has no mask along K: BK divides L and I
         BK = math.gcd(BK, L, I)
         assert w13_scale.is_contiguous() and w2_scale.is_contiguous() and BK % 32 == 0
-    order, starts, counts, position = group_pairs(topk_ids, E)
+    order, starts, counts, position, _ = group_pairs(topk_ids, E)
     n_pairs = T * top_k
     h = latent.new_empty(n_pairs, I)
     y = torch.empty(n_pairs, L, dtype=torch.float32, device=latent.device)
@@ -423,8 +466,7 @@ def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Ten
     T, top_k = topk_ids.shape
     E, n_pairs = w13.shape[0], T * top_k
     I, L = 8 * w13.shape[1], latent.shape[1]
-    order, starts, counts, position = group_pairs(topk_ids, E)
-    slots = expert_slots(counts, min(E, n_pairs))
+    order, starts, counts, position, slots = group_pairs(topk_ids, E)
     tiles = tiles or MX.tiles_for(n_pairs, slots.numel())
     on = bool(pdl(latent.device)["PDL"])
     h = latent.new_empty(n_pairs, I)

@@ -69,10 +69,23 @@ def test_fp32_matches_the_loop_exactly():
 
 def test_pairs_are_grouped_by_local_expert():
     ids = torch.tensor([[2, -1, 0], [5, 2, 1], [0, 0, 9]], device=DEVICE)
-    order, starts, counts, position = X.group_pairs(ids, experts=3)
+    order, starts, counts, position, slots = X.group_pairs(ids, experts=3)
     assert counts.tolist() == [3, 1, 2] and starts.tolist() == [0, 3, 4]
     assert order[:6].tolist() == [2, 6, 7, 5, 0, 4]  # stable: row order within an expert
     assert position.tolist() == [4, -1, 0, -1, 5, 3, 1, 2, -1]
+    assert slots.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("T, k, E", [(1, 16, 112), (8, 16, 896), (64, 16, 112), (5, 3, 4), (70, 16, 64)])
+def test_one_launch_grouping_is_torch_s(T, k, E, monkeypatch):
+    """``_group_kernel`` (up to GROUP_PAIRS_MAX pairs) gives torch's stable sort, counts,
+    starts, positions and slots, with remote ids and padding; past it, torch's runs."""
+    ids = torch.randint(-1, E + E // 2, (T, k), generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    got = X.group_pairs(ids, E)
+    monkeypatch.setattr(X, "GROUP_PAIRS_MAX", 0)
+    want = X.group_pairs(ids, E)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.int32 and torch.equal(g.cpu(), w.cpu())
 
 
 def _ulps(x, ref):
