@@ -338,7 +338,10 @@ if triton is not None:
         tl.store(slots_ptr + slot, bins, mask=busy & (slot < S))
 
 
-GROUP_PAIRS_MAX = 1024  # pairs ``_group_kernel`` takes (its rank pass is quadratic); more: torch
+# Pairs ``_group_kernel`` takes; more go to torch. Its rank pass is quadratic: on the H200 it
+# saved 39-46 us per call at 16 and 128 pairs against torch's ~21 us of small kernels, lost
+# about 70-130 us at 1024 (docs/performance.md, moe_experts_mxfp4_mma_h200_v3_group1024.json)
+GROUP_PAIRS_MAX = 256
 
 
 def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
