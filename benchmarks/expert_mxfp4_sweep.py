@@ -14,11 +14,11 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
 from moe_experts import routing  # noqa: E402
+from step_breakdown import profile_kernels  # noqa: E402
 
 from kimi_inductor.kernels import expert_ffn as X  # noqa: E402
 from kimi_inductor.kernels import expert_mxfp4 as MX  # noqa: E402
@@ -37,18 +37,10 @@ def experts(E: int):
 
 
 def kernels_us(fn, calls: int = 10) -> dict[str, float]:
-    """CUDA kernel time per call by (shortened) kernel name."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    """CUDA kernel time per call, summed by (shortened) kernel name."""
     out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        if ev.device_type.name == "CUDA":
-            out[ev.key[:60]] = out.get(ev.key[:60], 0.0) + ev.device_time_total / calls
+    for name, us in profile_kernels(fn, calls):
+        out[name[:60]] = out.get(name[:60], 0.0) + us / calls
     return out
 
 
