@@ -338,9 +338,9 @@ if triton is not None:
         tl.store(slots_ptr + slot, bins, mask=busy & (slot < S))
 
 
-# Pairs ``_group_kernel`` takes; more go to torch. Its rank pass is quadratic: on the H200 it
-# saved 39-46 us per call at 16 and 128 pairs against torch's ~21 us of small kernels, lost
-# about 70-130 us at 1024 (docs/performance.md, moe_experts_mxfp4_mma_h200_v3_group1024.json)
+# Pairs ``_group_kernel`` takes; more go to torch. Its rank pass is quadratic: on the H200 the
+# expert op took 43-46 us less at 16 pairs and 25-47 us less at 128 than with torch's argsort
+# and small kernels, but 70-130 us more at 1024 (moe_experts_mxfp4_mma_h200_v3_group1024.json)
 GROUP_PAIRS_MAX = 256
 
 
