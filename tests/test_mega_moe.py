@@ -204,3 +204,34 @@ def test_mxfp4_experts_stay_packed_through_every_pass_and_equal_stock(world):
     routed = "mega_moe: EP exchange" if world > 1 else "expert_ffn"  # one rank: experts whole, no exchange
     assert all(n.startswith(routed) and "MXFP4 experts" in n for n in moe), moe
     assert torch.equal(out["outputs"], ref["outputs"]), f"G={world}: max diff {(out['outputs'] - ref['outputs']).abs().max()}"
+
+
+def test_mxfp4_experts_in_the_sm90_layout_compile_through_every_pass_and_equal_stock():
+    """Experts reordered for the SM90 kernel (``build_model(mxfp4_layout='sm90')``, 5-D
+    uint8) go through mega_moe on one CPU rank: every MoE layer is rewritten, the report
+    names the layout's kernel and why the CPU takes the reference, and the compiled step
+    equals the stock step on the experts as stored, bitwise."""
+    import dataclasses
+
+    from kimi_inductor.backend import KimiSpecialized
+    from kimi_inductor.stock import Parallel
+    from kimi_inductor.stock.batch import DecodeBatch
+    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
+
+    c = dataclasses.replace(KimiK3Config.preset("tiny"), routed_expert_hidden_size=256, moe_intermediate_size=256)
+    tensors = random_checkpoint(c, seed=7, experts="mxfp4")
+    stored = build_model(c, tensors, Parallel("sp", None), mxfp4_layout="checkpoint")
+    sm90 = build_model(c, tensors, Parallel("sp", None), mxfp4_layout="sm90")
+    batch = DecodeBatch(3, 2, 1, c.vocab_size)
+    step = batch.step()
+    backend = KimiSpecialized({"compiler": "eager", "decode": {"sharded_moe_rows": 0}})
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = stored(step, stored.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q))
+        got = torch.compile(sm90, backend=backend)(
+            step, sm90.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q))
+    moe = [l.notes["moe"] for l in backend.report.layers if "moe" in l.notes]
+    assert len(moe) == c.num_hidden_layers - 1
+    assert all("MXFP4 experts" in n and "SM90 MXFP4 expert kernel" in n and "needs an SM90+ GPU" in n
+               for n in moe), moe
+    assert torch.equal(got, want)
