@@ -2,9 +2,8 @@
 (a bijection of the checkpoint's bytes; read back with the kernel's own bit arithmetic,
 emulated in torch, it is the dequantised expert exactly), their sm_90a compile without a
 GPU, and on the GPU the op on experts in that layout (``mma_grouped``) against the stock
-loop on the dequantised experts
-(tolerance as tests/kernels/test_expert_ffn.py: fp32 sums in another order) and against
-the Triton MXFP4 kernel.
+loop on the dequantised experts and against the Triton MXFP4 kernel (tolerance as
+tests/kernels/test_expert_ffn.py: fp32 sums in another order).
 """
 
 import pytest
