@@ -14,7 +14,8 @@ Here nothing goes through shared memory and nothing waits on another warp:
   lane's A fragments of the chunk's four MMAs (``mma_layout``); the warp loads the next
   256 elements' codes and scales while it multiplies these;
 * the B operand is 8 pairs' rows of x (one n8 tile; NT tiles per pass over the weight),
-  8 bytes per lane and MMA from global memory (L1 / L2: the warps of a CTA share them).
+  one 16-byte load per lane and two MMAs from global memory (L1 / L2: the warps of a CTA
+  share them).
 
 Upcast: register i of a lane's MMA fragment (two values) takes its codes' magnitude bits
 (e1 e0 m) to bf16 bits 8-6 and sign to bit 15 in one shift and AND (registers 0-2; three
@@ -25,14 +26,15 @@ two MMAs into a fresh accumulator, then acc += tmp 2^(s - 127), a power of two):
 result is the dequantised expert's up to fp32 summation order.
 
 Layout (``mma_layout``; the checkpoint's bytes reordered, uint8 and 5-D, read as int32
-words): codes [E, N / 16, K / 64, 32, 16], scales [E, N / 16, K / 256, 32, 4]. Block b's fragment row r is weight row
-16 b + r, or for gate_up rows 8 b + r (r < 8) and I + 8 b + r - 8. For lane t (g = t // 4,
-q = t % 4), word j of chunk c holds MMA j's values: register i (0..3), half h is row
-g + 8 (i & 1), K element 64 c + 32 (j >> 1) + 8 q + 4 (j & 1) + 2 (i >> 1) + h (a
-permutation of K within each 32-element scale group, which x follows: a lane's x of two
-MMAs is one 16-byte load), its nibble at ``BITS[i]`` (+ 16 h). Scale word of lane
-t and 256-block: bytes (group 2 q, row g), (2 q, g + 8), (2 q + 1, g), (2 q + 1, g + 8) of
-the block's 8 groups; chunk c's lanes take lane (g, c % 4)'s word by a shuffle.
+words): codes [E, N / 16, K / 64, 32, 16], scales [E, N / 16, K / 256, 32, 4]. Block b's
+fragment row r is weight row 16 b + r, or for gate_up rows 8 b + r (r < 8) and
+I + 8 b + r - 8. For lane t (g = t // 4, q = t % 4), word j of chunk c holds MMA j's
+values: register i (0..3), half h is row g + 8 (i & 1), K element
+64 c + 32 (j >> 1) + 8 q + 4 (j & 1) + 2 (i >> 1) + h (a permutation of K within each
+32-element scale group, which x follows), its nibble at ``BITS[i]`` (+ 16 h). Scale word
+of lane t and 256-block: bytes (group 2 q, row g), (2 q, g + 8), (2 q + 1, g),
+(2 q + 1, g + 8) of the block's 8 groups; chunk c's lanes take lane (g, c % 4)'s word by
+a shuffle.
 """
 
 from __future__ import annotations
