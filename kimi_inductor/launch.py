@@ -31,6 +31,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, fn: Ca
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
     try:
         result: Any = ("ok", fn(*args))
+        dist.barrier()  # no rank tears down its connections while a peer still reads its last sends
     except BaseException as exc:  # reported by the parent with the rank's traceback
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     finally:
