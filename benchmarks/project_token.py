@@ -16,7 +16,7 @@ Per rank and layer, at R rows (q = 1):
                 grouped kernel's time per active expert at EP 8 shapes
                 (``moe_experts_h200_v1``, 112 local experts; ``main_mxfp4``: the same
                 with the checkpoint's MXFP4 experts on the SM90 CuTe DSL kernel,
-                ``moe_experts_mxfp4_mma_h200_v4``)
+                ``moe_experts_mxfp4_mma_h200_v5``)
     collectives NCCL in CUDA graphs, measured on 2 x H200 (kernels_and_limits.md 1.3;
                 TP 8 not measured): attention all-reduce + the MoE's (row shard: EP
                 dispatch all-gather, combine reduce-scatter, output all-gather; sharded:
@@ -88,7 +88,7 @@ def project(R: int) -> dict:
            for layout in ("row_shard", "sharded", "kimi")}
     ex = [r for r in _rows("moe_experts_h200_v1.json") if r["experts"] == 112 and r["rows"] == R]
     per_expert = ex[0]["ours_us"] / ex[0]["active_experts"]
-    mx = [r for r in _rows("moe_experts_mxfp4_mma_h200_v4.json") if r["experts"] == 112 and r["rows"] == R]
+    mx = [r for r in _rows("moe_experts_mxfp4_mma_h200_v5.json") if r["experts"] == 112 and r["rows"] == R]
     per_expert_mxfp4 = mx[0]["mxfp4_mma_us"] / mx[0]["active_experts"]  # the SM90 CuTe DSL kernel
     slowest = slowest_rank_experts(R)
     experts = per_expert * slowest

@@ -309,39 +309,38 @@ if triton is not None:
 
     @triton.jit
     def _group_kernel(ids_ptr, order_ptr, starts_ptr, counts_ptr, position_ptr, slots_ptr, P, E, S,
-                      PB: tl.constexpr, EB: tl.constexpr, BQ: tl.constexpr, PDL: tl.constexpr):
-        """``group_pairs`` in one program (P <= PB pairs, E + 2 <= EB): a histogram of the
-        keys (local expert, or E for another rank's), their exclusive prefix sum, each
-        pair's rank among the earlier pairs of its key (compared BQ at a time: stable)."""
+                      PB: tl.constexpr, BP: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
+        """``group_pairs`` in one launch (P <= PB pairs, E + 2 <= EB), BP pairs per program.
+        A pair's key is its local expert, or E for another rank's; its place in the order
+        is the number of pairs whose key is smaller, or equal and earlier (one [BP, PB]
+        comparison: stable). Program 0 also writes the keys' histogram, its exclusive
+        prefix sum and the slots."""
         pdl_wait(PDL)
-        p = tl.arange(0, PB)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        key = tl.where(p < P, tl.where((ids >= 0) & (ids < E), ids, E), E + 1)
-        counts = tl.histogram(key, EB)
-        starts = tl.cumsum(counts, 0) - counts
-        rank = tl.zeros([PB], dtype=tl.int32)
-        for q0 in range(0, P, BQ):
-            q = q0 + tl.arange(0, BQ)
-            other = tl.load(ids_ptr + q, mask=q < P, other=-1)
-            other = tl.where(q < P, tl.where((other >= 0) & (other < E), other, E), E + 1)
-            rank += tl.sum(((key[:, None] == other[None, :]) & (q[None, :] < p[:, None])).to(tl.int32), 1)
-        pos = tl.gather(starts, key, 0) + rank
+        q = tl.arange(0, PB)
+        ids = tl.load(ids_ptr + q, mask=q < P, other=-1)
+        key = tl.where(q < P, tl.where((ids >= 0) & (ids < E), ids, E), E + 1)
+        p = tl.program_id(0) * BP + tl.arange(0, BP)
+        mine = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        mine = tl.where((mine >= 0) & (mine < E), mine, E)
+        before = (key[None, :] < mine[:, None]) | ((key[None, :] == mine[:, None]) & (q[None, :] < p[:, None]))
+        pos = tl.sum(before.to(tl.int32), 1)
         tl.store(order_ptr + pos, p, mask=p < P)
-        tl.store(position_ptr + p, tl.where(key < E, pos, -1), mask=p < P)
-        bins = tl.arange(0, EB)
-        tl.store(counts_ptr + bins, counts, mask=bins < E)
-        tl.store(starts_ptr + bins, starts, mask=bins < E)
-        busy = (counts > 0) & (bins < E)
-        slot = tl.cumsum(busy.to(tl.int32), 0) - 1
-        tl.store(slots_ptr + bins, tl.full([EB], 0, tl.int32) + E, mask=bins < S)
-        tl.debug_barrier()
-        tl.store(slots_ptr + slot, bins, mask=busy & (slot < S))
+        tl.store(position_ptr + p, tl.where(mine < E, pos, -1), mask=p < P)
+        if tl.program_id(0) == 0:
+            counts = tl.histogram(key, EB)
+            starts = tl.cumsum(counts, 0) - counts
+            bins = tl.arange(0, EB)
+            tl.store(counts_ptr + bins, counts, mask=bins < E)
+            tl.store(starts_ptr + bins, starts, mask=bins < E)
+            busy = (counts > 0) & (bins < E)
+            slot = tl.cumsum(busy.to(tl.int32), 0) - 1
+            tl.store(slots_ptr + bins, tl.full([EB], 0, tl.int32) + E, mask=bins < S)
+            tl.debug_barrier()
+            tl.store(slots_ptr + slot, bins, mask=busy & (slot < S))
 
 
-# Pairs ``_group_kernel`` takes; more go to torch. Its rank pass is quadratic: on the H200 the
-# expert op took 43-46 us less at 16 pairs and 25-47 us less at 128 than with torch's argsort
-# and small kernels, but 70-130 us more at 1024 (moe_experts_mxfp4_mma_h200_v3_group1024.json)
-GROUP_PAIRS_MAX = 256
+# Pairs ``_group_kernel`` takes (more go to torch), and pairs per program.
+GROUP_PAIRS_MAX, GROUP_BLOCK = 1024, 32
 
 
 def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -357,8 +356,11 @@ def group_pairs(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor,
     P, n_slots = flat.numel(), min(experts, flat.numel())
     if triton is not None and (flat.is_cuda or INTERPRET) and P <= GROUP_PAIRS_MAX:
         out = [torch.empty(n, dtype=torch.int32, device=flat.device) for n in (P, experts, experts, P, n_slots)]
-        _group_kernel[(1,)](flat.to(torch.int32).contiguous(), *out, P, experts, n_slots, PB=max(16, triton.next_power_of_2(P)),
-                            EB=triton.next_power_of_2(experts + 2), BQ=16, num_warps=8, **pdl(flat.device))
+        PB = max(16, triton.next_power_of_2(P))
+        BP = min(PB, GROUP_BLOCK)
+        _group_kernel[(triton.cdiv(P, BP),)](flat.to(torch.int32).contiguous(), *out, P, experts, n_slots, PB=PB,
+                                             BP=BP, EB=triton.next_power_of_2(experts + 2), num_warps=8,
+                                             **pdl(flat.device))
         return tuple(out)
     local = (flat >= 0) & (flat < experts)
     key = torch.where(local, flat, experts).to(torch.int64)

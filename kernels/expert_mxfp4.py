@@ -12,7 +12,10 @@ Here nothing goes through shared memory and nothing waits on another warp:
   8 up rows, so each lane holds both halves of its outputs for SiTU;
 * per lane and 64-element K chunk the codes are 16 bytes, one load, which are exactly the
   lane's A fragments of the chunk's four MMAs (``mma_layout``); the warp loads the next
-  256 elements' codes and scales while it multiplies these;
+  256 elements' codes and scales while it multiplies these (across passes too: the last
+  block prefetches the next pass's first), and the down kernel loads its first block
+  before it waits on the up kernel (PDL: the up kernel lets it launch once its own wait
+  is done, so its weights stream during the up kernel's last wave);
 * the B operand is 8 pairs' rows of x (one n8 tile; NT tiles per pass over the weight),
   one 16-byte load per lane and two MMAs from global memory (L1 / L2: the warps of a CTA
   share them).
@@ -20,10 +23,13 @@ Here nothing goes through shared memory and nothing waits on another warp:
 Upcast: register i of a lane's MMA fragment (two values) takes its codes' magnitude bits
 (e1 e0 m) to bf16 bits 8-6 and sign to bit 15 in one shift and AND (registers 0-2; three
 shifts for register 3): as a bf16 that is the E2M1 value times 2^-126 exactly (e = 0
-lands on the subnormal 0.5 m 2^-126), and one packed multiply by 2^126 makes it the E2M1
-value. The E8M0 scale applies per 32-element group to the fp32 MMA results (the group's
-two MMAs into a fresh accumulator, then acc += tmp 2^(s - 127), a power of two): the
-result is the dequantised expert's up to fp32 summation order.
+lands on the subnormal 0.5 m 2^-126). One packed multiply by the group's E8M0 scale
+times 2^126, 2^(s - 1) as a bf16 (a byte permute and a multiply-add per row and group),
+makes it the dequantised weight, exactly (a power of two times at most two significant
+bits): the MMAs accumulate straight into the fp32 result, which is the dequantised
+expert's up to fp32 summation order. 2^(s - 1) is a finite bf16 for s <= 128 (scales up
+to 2^1; released checkpoints' are far below): ``mma_layout`` refuses larger ones, and
+those experts stay in the checkpoint layout (the Triton kernel).
 
 Layout (``mma_layout``; the checkpoint's bytes reordered, uint8 and 5-D, read as int32
 words): codes [E, N / 16, K / 64, 32, 16], scales [E, N / 16, K / 256, 32, 4]. Block b's
@@ -59,12 +65,16 @@ BLOCK_K = 256  # K elements per scale word (and per prefetch)
 # register i's (m, e0, e1, sign) bit positions in its word, low half (+16: the high half)
 BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
 MASK = 0x81C081C0  # bf16x2 magnitude bits 8-6 and signs
+MAX_SCALE = 128  # E8M0 bytes whose 2^(s - 1) is a finite bf16
 
 
-def supported(N: int, K: int) -> str:
-    """Why the kernel cannot take an [N, K] weight ('' when it can)."""
+def supported(N: int, K: int, scales: Tensor | None = None) -> str:
+    """Why the kernel cannot take an [N, K] weight with E8M0 ``scales`` ('' when it can)."""
     if N % 16 or K % BLOCK_K:
         return f"[{N}, {K}]: the SM90 MXFP4 kernel needs N % 16 == 0 and K % {BLOCK_K} == 0"
+    if scales is not None and scales.numel() and int(scales.max()) > MAX_SCALE:
+        return (f"E8M0 scale byte {int(scales.max())} (2^{int(scales.max()) - 127}): the SM90 MXFP4 kernel "
+                f"folds the scale into a bf16 multiply, 2^(s - 1), and takes bytes up to {MAX_SCALE} (2^1)")
     return ""
 
 
@@ -84,7 +94,8 @@ def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Te
     expert; ``gate_up``: N = 2 I rows, gate then up."""
     E, N, half_k = codes.shape
     K = 2 * half_k
-    assert not supported(N, K), supported(N, K)
+    if why := supported(N, K, scales):
+        raise ValueError(f"mma_layout: {why}; keep these experts in the checkpoint's layout")
     rows = _block_rows(N, gate_up).to(codes.device)
     shift = torch.tensor(BITS, dtype=torch.int64, device=codes.device)  # [i, bit]
     out_c = torch.empty(E, N // 16, K // CHUNK, WARP, 4, dtype=torch.int32, device=codes.device)
@@ -158,23 +169,24 @@ if cutlass is not None:
         return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
     @cute.jit
-    def _upcast(w: Int32, i: cutlass.Constexpr) -> Int32:
+    def _upcast(w: Int32, i: cutlass.Constexpr, f: Int32) -> Int32:
         """Register i's two E2M1 values of code word ``w`` as bf16x2 (times 2^-126), then
-        times 2^126 (one packed multiply; -0 addend keeps the sign of zero)."""
+        times the bf16x2 ``f`` (one packed multiply; -0 addend keeps the sign of zero)."""
         if const_expr(i == 0):
             v = w & Int32(MASK - (1 << 32))
         elif const_expr(i < 3):
             v = (w << (3 * i)) & Int32(MASK - (1 << 32))
         else:
             v = ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & Int32(0x80008000 - (1 << 32)))
-        return _asm_i32("{ .reg .b32 f, z; mov.b32 f, 0x7E807E80; mov.b32 z, 0x80008000; "
-                        "fma.rn.bf16x2 $0, $1, f, z; }", v)
+        return _asm_i32("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }", v, f)
 
     @cute.jit
-    def _scale(word: Int32, byte: cutlass.Constexpr) -> Float32:
-        """2^(s - 127) as fp32 for the E8M0 byte ``byte`` of ``word`` (s = 0: the subnormal 2^-127)."""
-        s = (word >> (8 * byte)) & 0xFF
-        return _as_f32(cutlass.max(s << 23, Int32(0x400000)))
+    def _scale_bf16x2(word: Int32, byte: cutlass.Constexpr) -> Int32:
+        """2^126 2^(s - 127) = 2^(s - 1) as bf16x2 for the E8M0 byte ``byte`` of ``word``
+        (s <= 128; bf16 bits (s + 126) << 7): the byte in both halves, times 128, plus 0x3F00."""
+        sel = 0x4040 | byte | (byte << 8)
+        return _asm_i32("{ .reg .b32 t; prmt.b32 t, $1, 0, " + str(sel) + "; mad.lo.u32 $0, t, 128, 0x3F003F00; }",
+                        word)
 
     @cute.jit
     def _tanh(x: Float32) -> Float32:
@@ -225,13 +237,15 @@ if cutlass is not None:
             or h (down, row = the pair's position); slots [S]: the expert of each grid row
             (E: none); out: h [P, I] bf16 or y [P, L] fp32."""
             NT: cutlass.Constexpr = self.tiles
+            early: cutlass.Constexpr = self.pdl and not self.gate_up  # down: its first codes before the wait
             slot, by, _ = cute.arch.block_idx()
             lane = cute.arch.lane_idx()
             b = by * self.warps + cute.arch.warp_idx()
             g = lane // 4
             q = lane % 4
-            if const_expr(self.pdl):
+            if const_expr(self.pdl and self.gate_up):
                 cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()  # the down kernel may load its weights
             E = cute.size(counts)
             e = slots[slot]
             count = Int32(0)
@@ -244,8 +258,15 @@ if cutlass is not None:
             nxt = cute.make_rmem_tensor(cute.make_layout(16), Int32)
             xr = cute.make_rmem_tensor(cute.make_layout((NT, 2, 4), stride=(8, 4, 1)), Int32)
             acc = cute.make_rmem_tensor(cute.make_layout((NT, 4), stride=(4, 1)), Float32)
-            tmp = cute.make_rmem_tensor(cute.make_layout((NT, 4), stride=(4, 1)), Float32)
             rows = cute.make_rmem_tensor(cute.make_layout(NT), Int32)
+            ce, se = _expert(codes, e % E), _expert(scales, e % E)
+            sw = Int32(0)
+            if count > 0:  # the first block's codes (before the wait: the weights do not depend on x)
+                for c in cutlass.range_constexpr(4):
+                    cute.copy(load_w, ce[b, c, lane, None], _words(cur, c))
+                sw = se[b, 0, lane]
+            if const_expr(early):
+                cute.arch.griddepcontrol_wait()
             for m0 in cutlass.range(0, count, 8 * NT, unroll=1):
                 for nt in cutlass.range_constexpr(NT):  # lane's B column: pair m0 + 8 nt + g
                     p = start + cutlass.min(m0 + 8 * nt + g, count - 1)
@@ -254,41 +275,32 @@ if cutlass is not None:
                     else:
                         rows[nt] = p
                 acc.fill(0.0)
-                ce, se = _expert(codes, e), _expert(scales, e)
-                for c in cutlass.range_constexpr(4):
-                    cute.copy(load_w, ce[b, c, lane, None], _words(cur, c))
-                sw = se[b, 0, lane]
                 for blk in cutlass.range(blocks_k, unroll=1):
-                    ahead = cutlass.min(blk + 1, blocks_k - 1)
-                    for c in cutlass.range_constexpr(4):
-                        cute.copy(load_w, ce[b, 4 * ahead + c, lane, None], _words(nxt, c))
-                    sw_next = se[b, ahead, lane]
+                    sw_next = sw
+                    if blk + 1 < blocks_k or m0 + 8 * NT < count:  # the next block, or the next pass's first
+                        ahead = blk + 1
+                        if ahead == blocks_k:
+                            ahead = Int32(0)
+                        for c in cutlass.range_constexpr(4):
+                            cute.copy(load_w, ce[b, 4 * ahead + c, lane, None], _words(nxt, c))
+                        sw_next = se[b, ahead, lane]
                     for c in cutlass.range_constexpr(4):
                         kq = (blk * BLOCK_K + c * CHUNK) // 8 + q  # x's 16 bytes of MMAs 0 and 1
                         for nt in cutlass.range_constexpr(NT):
                             for jh in cutlass.range_constexpr(2):
                                 cute.copy(load_x, xv[rows[nt], (None, kq + 4 * jh)], xr[nt, jh, None])
                         sc = cute.arch.shuffle_sync(sw, offset=g * 4 + c)
-                        for half in cutlass.range_constexpr(2):  # the chunk's two scale groups
+                        for half in cutlass.range_constexpr(2):  # the chunk's two scale groups: rows g, g + 8
+                            f_lo, f_hi = _scale_bf16x2(sc, 2 * half), _scale_bf16x2(sc, 2 * half + 1)
                             for jj in cutlass.range_constexpr(2):
-                                j = 2 * half + jj
-                                w = cur[4 * c + j]
-                                a0, a1, a2, a3 = (_upcast(w, 0), _upcast(w, 1), _upcast(w, 2), _upcast(w, 3))
+                                w = cur[4 * c + 2 * half + jj]
+                                a0, a1 = _upcast(w, 0, f_lo), _upcast(w, 1, f_hi)
+                                a2, a3 = _upcast(w, 2, f_lo), _upcast(w, 3, f_hi)
                                 for nt in cutlass.range_constexpr(NT):
-                                    b0, b1 = xr[nt, half, 2 * jj], xr[nt, half, 2 * jj + 1]
-                                    if const_expr(jj == 0):
-                                        d = _mma(a0, a1, a2, a3, b0, b1, Float32(0.0), Float32(0.0), Float32(0.0),
-                                                 Float32(0.0))
-                                    else:
-                                        d = _mma(a0, a1, a2, a3, b0, b1, tmp[nt, 0], tmp[nt, 1], tmp[nt, 2], tmp[nt, 3])
+                                    d = _mma(a0, a1, a2, a3, xr[nt, half, 2 * jj], xr[nt, half, 2 * jj + 1],
+                                             acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
                                     for v in cutlass.range_constexpr(4):
-                                        tmp[nt, v] = d[v]
-                            f_lo, f_hi = _scale(sc, 2 * half), _scale(sc, 2 * half + 1)  # rows g, g + 8
-                            for nt in cutlass.range_constexpr(NT):
-                                acc[nt, 0] = acc[nt, 0] + tmp[nt, 0] * f_lo
-                                acc[nt, 1] = acc[nt, 1] + tmp[nt, 1] * f_lo
-                                acc[nt, 2] = acc[nt, 2] + tmp[nt, 2] * f_hi
-                                acc[nt, 3] = acc[nt, 3] + tmp[nt, 3] * f_hi
+                                        acc[nt, v] = d[v]
                     cur.store(nxt.load())
                     sw = sw_next
                 self.epilogue(acc, out, weights, order, start, count, m0, b, g, q)

@@ -191,6 +191,10 @@ def test_mxfp4_experts_in_the_sm90_kernel_layout_compute_the_same():
         outs = [m(step, m.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q))
                 for m in (packed, sm90)]
     assert torch.equal(*outs)
+    big = {k: v.clone() if k.endswith("weight_scale") else v for k, v in t.items()}
+    next(v for k, v in big.items() if k.endswith("weight_scale")).view(-1)[0] = 129  # 2^2: beyond the kernel
+    with pytest.raises(ValueError, match="E8M0 scale byte 129.*mxfp4_layout='checkpoint'"):
+        build_model(c, big, mxfp4_layout="sm90")
     tiny = KimiK3Config.preset("tiny")
     with pytest.raises(ValueError, match="mxfp4_layout='checkpoint'"):
         build_model(tiny, random_checkpoint(tiny, experts="mxfp4"), mxfp4_layout="sm90")

@@ -104,15 +104,15 @@ def test_expert_kernels_compile_for_sm90_with_bf16_and_mxfp4_weights(mxfp4, dot_
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 @pytest.mark.parametrize("pairs, experts", [(16, 112), (1024, 896)])
 def test_pair_grouping_kernel_compiles_for_sm90(pairs, experts):
-    """``expert_ffn._group_kernel`` (histogram, prefix sums, gather) at its smallest and
-    largest decode sizes."""
+    """``expert_ffn._group_kernel`` (comparisons, histogram, prefix sums) at its smallest
+    and largest decode sizes."""
     from kimi_inductor.kernels import expert_ffn
 
     sig = {**{n: "*i32" for n in ("ids_ptr", "order_ptr", "starts_ptr", "counts_ptr", "position_ptr", "slots_ptr")},
-           "P": "i32", "E": "i32", "S": "i32", "PB": "constexpr", "EB": "constexpr", "BQ": "constexpr",
+           "P": "i32", "E": "i32", "S": "i32", "PB": "constexpr", "BP": "constexpr", "EB": "constexpr",
            "PDL": "constexpr"}
     source = ASTSource(expert_ffn._group_kernel, sig, constexprs={
-        "PB": pairs, "EB": triton.next_power_of_2(experts + 2), "BQ": 16, "PDL": True})
+        "PB": pairs, "BP": min(pairs, expert_ffn.GROUP_BLOCK), "EB": triton.next_power_of_2(experts + 2), "PDL": True})
     assert "griddepcontrol.wait" in triton.compile(source, target=SM90, options={"num_warps": 8}).asm["ptx"]
 
 

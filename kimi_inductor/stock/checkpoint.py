@@ -424,5 +424,7 @@ def _sm90_shapes(moe) -> str:
     """Why the SM90 MXFP4 kernel cannot take this layer's experts ('' when it can)."""
     from kimi_inductor.kernels.expert_mxfp4 import supported
 
-    w13, w2 = moe.experts.w13_weight, moe.experts.w2_weight
-    return supported(w13.shape[1], 2 * w13.shape[2]) or supported(w2.shape[1], 2 * w2.shape[2])
+    ex = moe.experts
+    w13, w2 = ex.w13_weight, ex.w2_weight
+    return (supported(w13.shape[1], 2 * w13.shape[2], ex.w13_weight_scale)
+            or supported(w2.shape[1], 2 * w2.shape[2], ex.w2_weight_scale))

@@ -20,7 +20,7 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                             reason="needs an SM90+ GPU")
 
 
-def _checkpoint(E, N, K, seed=0, lo=100, hi=150, device="cpu"):
+def _checkpoint(E, N, K, seed=0, lo=100, hi=129, device="cpu"):
     g = torch.Generator(device=device).manual_seed(seed)
     codes = torch.randint(0, 256, (E, N, K // 2), generator=g, device=device, dtype=torch.uint8)
     scales = torch.randint(lo, hi, (E, N, K // 32), generator=g, device=device, dtype=torch.uint8)
@@ -46,16 +46,16 @@ def _kernel_read(codes, scales, gate_up):
             v = ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)
         for h in range(2):
             bits = ((v >> (16 * h)) & 0xFFFF).to(torch.int32) << 16
-            val = bits.view(torch.float32) * 2.0**126  # [E, NB, KC, lane, j]
+            val = bits.view(torch.float32)  # [E, NB, KC, lane, j]: the E2M1 value x 2^-126
             for lane in range(32):
                 g, q = divmod(lane, 4)
                 for c in range(KC):
                     word = sw[:, :, c // 4, 4 * g + c % 4]  # the shuffle
                     for j in range(4):
                         s = (word >> (8 * (2 * (j // 2) + (i & 1)))) & 0xFF
-                        f = torch.where(s > 0, s << 23, 0x400000).to(torch.int32).view(torch.float32)
+                        f = (((s + 126) << 7) << 16).to(torch.int32).view(torch.float32)  # bf16 2^(s - 1)
                         k = MX.CHUNK * c + 32 * (j >> 1) + 8 * q + 4 * (j & 1) + 2 * (i >> 1) + h
-                        W[:, rows[:, g + 8 * (i & 1)], k] = val[:, :, c, lane, j] * f
+                        W[:, rows[:, g + 8 * (i & 1)], k] = (val[:, :, c, lane, j] * f).bfloat16().float()
     return W
 
 
@@ -70,9 +70,16 @@ def test_mma_layout_is_a_bijection_of_the_checkpoint_bytes(gate_up):
 
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_kernel_reads_the_dequantised_experts_exactly(gate_up):
-    codes, scales = _checkpoint(2, 32, 512, lo=0, hi=255)  # every E8M0 scale but NaN
+    codes, scales = _checkpoint(2, 32, 512, lo=0, hi=MX.MAX_SCALE + 1)  # every E8M0 scale the layout takes
     got = _kernel_read(*MX.mma_layout(codes, scales, gate_up), gate_up)
     assert torch.equal(got, dequantize_experts(codes, scales).float())
+
+
+def test_scales_above_two_keep_the_checkpoint_layout():
+    codes, scales = _checkpoint(1, 32, 512)
+    scales[0, 3, 5] = MX.MAX_SCALE + 1  # 2^2: its 2^(s - 1) is not a finite bf16
+    with pytest.raises(ValueError, match="E8M0 scale byte 129.*checkpoint's layout"):
+        MX.mma_layout(codes, scales, True)
 
 
 @needs_cute
