@@ -7,9 +7,10 @@ register operand and stores x, the other operand, to shared memory with barriers
 step, so per program the loads, the upcast and the MMA run in series (docs/kernels.md).
 Here nothing goes through shared memory and nothing waits on another warp:
 
-* a warp owns 16 weight rows of one expert, the A operand of ``mma.sync.m16n8k16`` (bf16,
-  fp32 accumulate), over all of K; the up projection's 16 rows are 8 gate rows and their
-  8 up rows, so each lane holds both halves of its outputs for SiTU;
+* a warp owns 16 weight rows of one expert (a block; two at two tiles,
+  ``blocks_per_warp``), the A operand of ``mma.sync.m16n8k16`` (bf16, fp32 accumulate),
+  over all of K; the up projection's 16 rows are 8 gate rows and their 8 up rows, so
+  each lane holds both halves of its outputs for SiTU;
 * per lane and 64-element K chunk the codes are 16 bytes, one load, which are exactly the
   lane's A fragments of the chunk's four MMAs (``mma_layout``); the warp loads the next
   256 elements' codes and scales while it multiplies these (across passes too: the last
@@ -209,11 +210,12 @@ if cutlass is not None:
     class Mxfp4Experts:
         """One compiled projection: ``gate_up`` (h = SiTU(x W13^T), bf16 [P, I]) or down
         (y = bf16(h W2^T) times the pair's routing weight, fp32 [P, L]); ``tiles``: n8
-        tiles of pairs per pass over the weight; ``warps`` per CTA (one 16-row block each)."""
+        tiles of pairs per pass over the weight; ``warps`` per CTA, ``rb`` 16-row blocks
+        per warp."""
 
         def __init__(self, gate_up: bool, top_k: int, tiles: int, warps: int, beta: float, linear_beta: float,
-                     pdl: bool):
-            self.gate_up, self.top_k, self.tiles, self.warps, self.pdl = gate_up, top_k, tiles, warps, pdl
+                     pdl: bool, rb: int = 1):
+            self.gate_up, self.top_k, self.tiles, self.warps, self.pdl, self.rb = gate_up, top_k, tiles, warps, pdl, rb
             self.beta, self.linear_beta = beta, linear_beta
 
         @cute.jit
@@ -226,7 +228,7 @@ if cutlass is not None:
                                          load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
             blocks = cute.size(codes, mode=[1])
             self.kernel(x, codes, scales, slots, order, starts, counts, weights, out, load_w, load_x).launch(
-                grid=[cute.size(slots), cute.ceil_div(blocks, self.warps), 1], block=[self.warps * WARP, 1, 1],
+                grid=[cute.size(slots), cute.ceil_div(blocks, self.warps * self.rb), 1], block=[self.warps * WARP, 1, 1],
                 stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
@@ -237,10 +239,11 @@ if cutlass is not None:
             or h (down, row = the pair's position); slots [S]: the expert of each grid row
             (E: none); out: h [P, I] bf16 or y [P, L] fp32."""
             NT: cutlass.Constexpr = self.tiles
+            RB: cutlass.Constexpr = self.rb
             early: cutlass.Constexpr = self.pdl and not self.gate_up  # down: its first codes before the wait
             slot, by, _ = cute.arch.block_idx()
             lane = cute.arch.lane_idx()
-            b = by * self.warps + cute.arch.warp_idx()
+            b = (by * self.warps + cute.arch.warp_idx()) * RB  # the warp's first 16-row block
             g = lane // 4
             q = lane % 4
             if const_expr(self.pdl and self.gate_up):
@@ -254,17 +257,20 @@ if cutlass is not None:
             start = starts[e % E]
             blocks_k = cute.size(scales, mode=[2])
             xv = cute.logical_divide(x, (None, 4))  # [row, (4 words, K / 8)]
-            cur = cute.make_rmem_tensor(cute.make_layout(16), Int32)  # 4 chunks x 4 words
-            nxt = cute.make_rmem_tensor(cute.make_layout(16), Int32)
+            cur = cute.make_rmem_tensor(cute.make_layout(16 * RB), Int32)  # per block: 4 chunks x 4 words
+            nxt = cute.make_rmem_tensor(cute.make_layout(16 * RB), Int32)
+            sw = cute.make_rmem_tensor(cute.make_layout(RB), Int32)
+            sw_next = cute.make_rmem_tensor(cute.make_layout(RB), Int32)
             xr = cute.make_rmem_tensor(cute.make_layout((NT, 2, 4), stride=(8, 4, 1)), Int32)
-            acc = cute.make_rmem_tensor(cute.make_layout((NT, 4), stride=(4, 1)), Float32)
+            acc = cute.make_rmem_tensor(cute.make_layout((RB, NT, 4), stride=(4 * NT, 4, 1)), Float32)
             rows = cute.make_rmem_tensor(cute.make_layout(NT), Int32)
             ce, se = _expert(codes, e % E), _expert(scales, e % E)
-            sw = Int32(0)
+            sw.fill(0)
             if count > 0:  # the first block's codes (before the wait: the weights do not depend on x)
-                for c in cutlass.range_constexpr(4):
-                    cute.copy(load_w, ce[b, c, lane, None], _words(cur, c))
-                sw = se[b, 0, lane]
+                for r in cutlass.range_constexpr(RB):
+                    for c in cutlass.range_constexpr(4):
+                        cute.copy(load_w, ce[b + r, c, lane, None], _words(cur, 4 * r + c))
+                    sw[r] = se[b + r, 0, lane]
             if const_expr(early):
                 cute.arch.griddepcontrol_wait()
             for m0 in cutlass.range(0, count, 8 * NT, unroll=1):
@@ -276,38 +282,41 @@ if cutlass is not None:
                         rows[nt] = p
                 acc.fill(0.0)
                 for blk in cutlass.range(blocks_k, unroll=1):
-                    sw_next = sw
+                    sw_next.store(sw.load())
                     if blk + 1 < blocks_k or m0 + 8 * NT < count:  # the next block, or the next pass's first
                         ahead = blk + 1
                         if ahead == blocks_k:
                             ahead = Int32(0)
-                        for c in cutlass.range_constexpr(4):
-                            cute.copy(load_w, ce[b, 4 * ahead + c, lane, None], _words(nxt, c))
-                        sw_next = se[b, ahead, lane]
+                        for r in cutlass.range_constexpr(RB):
+                            for c in cutlass.range_constexpr(4):
+                                cute.copy(load_w, ce[b + r, 4 * ahead + c, lane, None], _words(nxt, 4 * r + c))
+                            sw_next[r] = se[b + r, ahead, lane]
                     for c in cutlass.range_constexpr(4):
                         kq = (blk * BLOCK_K + c * CHUNK) // 8 + q  # x's 16 bytes of MMAs 0 and 1
                         for nt in cutlass.range_constexpr(NT):
                             for jh in cutlass.range_constexpr(2):
                                 cute.copy(load_x, xv[rows[nt], (None, kq + 4 * jh)], xr[nt, jh, None])
-                        sc = cute.arch.shuffle_sync(sw, offset=g * 4 + c)
-                        for half in cutlass.range_constexpr(2):  # the chunk's two scale groups: rows g, g + 8
-                            f_lo, f_hi = _scale_bf16x2(sc, 2 * half), _scale_bf16x2(sc, 2 * half + 1)
-                            for jj in cutlass.range_constexpr(2):
-                                w = cur[4 * c + 2 * half + jj]
-                                a0, a1 = _upcast(w, 0, f_lo), _upcast(w, 1, f_hi)
-                                a2, a3 = _upcast(w, 2, f_lo), _upcast(w, 3, f_hi)
-                                for nt in cutlass.range_constexpr(NT):
-                                    d = _mma(a0, a1, a2, a3, xr[nt, half, 2 * jj], xr[nt, half, 2 * jj + 1],
-                                             acc[nt, 0], acc[nt, 1], acc[nt, 2], acc[nt, 3])
-                                    for v in cutlass.range_constexpr(4):
-                                        acc[nt, v] = d[v]
+                        for r in cutlass.range_constexpr(RB):  # x's fragments serve every block of the warp
+                            sc = cute.arch.shuffle_sync(sw[r], offset=g * 4 + c)
+                            for half in cutlass.range_constexpr(2):  # the chunk's two scale groups: rows g, g + 8
+                                f_lo, f_hi = _scale_bf16x2(sc, 2 * half), _scale_bf16x2(sc, 2 * half + 1)
+                                for jj in cutlass.range_constexpr(2):
+                                    w = cur[16 * r + 4 * c + 2 * half + jj]
+                                    a0, a1 = _upcast(w, 0, f_lo), _upcast(w, 1, f_hi)
+                                    a2, a3 = _upcast(w, 2, f_lo), _upcast(w, 3, f_hi)
+                                    for nt in cutlass.range_constexpr(NT):
+                                        d = _mma(a0, a1, a2, a3, xr[nt, half, 2 * jj], xr[nt, half, 2 * jj + 1],
+                                                 acc[r, nt, 0], acc[r, nt, 1], acc[r, nt, 2], acc[r, nt, 3])
+                                        for v in cutlass.range_constexpr(4):
+                                            acc[r, nt, v] = d[v]
                     cur.store(nxt.load())
-                    sw = sw_next
-                self.epilogue(acc, out, weights, order, start, count, m0, b, g, q)
+                    sw.store(sw_next.load())
+                for r in cutlass.range_constexpr(RB):
+                    self.epilogue(acc, r, out, weights, order, start, count, m0, b + r, g, q)
 
         @cute.jit
-        def epilogue(self, acc: cute.Tensor, out: cute.Tensor, weights: cute.Tensor, order: cute.Tensor,
-                     start: Int32, count: Int32, m0: Int32, b: Int32, g: Int32, q: Int32):
+        def epilogue(self, acc: cute.Tensor, r: cutlass.Constexpr, out: cute.Tensor, weights: cute.Tensor,
+                     order: cute.Tensor, start: Int32, count: Int32, m0: Int32, b: Int32, g: Int32, q: Int32):
             """Lane (g, q) holds, per n8 tile, rows g (acc 0, 1) and g + 8 (acc 2, 3) for
             pairs m0 + 8 nt + 2 q + (0, 1)."""
             for nt in cutlass.range_constexpr(self.tiles):
@@ -315,16 +324,16 @@ if cutlass is not None:
                     m = m0 + 8 * nt + 2 * q + h
                     if m < count:
                         if const_expr(self.gate_up):  # rows g / g + 8: gate / up of output 8 b + g
-                            gate = acc[nt, h].to(BFloat16).to(Float32)
-                            up = acc[nt, 2 + h].to(BFloat16).to(Float32)
+                            gate = acc[r, nt, h].to(BFloat16).to(Float32)
+                            up = acc[r, nt, 2 + h].to(BFloat16).to(Float32)
                             act = (Float32(self.beta) * _tanh(gate / Float32(self.beta))
                                    * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate)))
                                    * (Float32(self.linear_beta) * _tanh(up / Float32(self.linear_beta))))
                             out[start + m, 8 * b + g] = act.to(BFloat16)
                         else:
                             w = weights[order[start + m]]
-                            out[start + m, 16 * b + g] = acc[nt, h].to(BFloat16).to(Float32) * w
-                            out[start + m, 16 * b + 8 + g] = acc[nt, 2 + h].to(BFloat16).to(Float32) * w
+                            out[start + m, 16 * b + g] = acc[r, nt, h].to(BFloat16).to(Float32) * w
+                            out[start + m, 16 * b + 8 + g] = acc[r, nt, 2 + h].to(BFloat16).to(Float32) * w
 
     @cute.jit
     def _expert(t: cute.Tensor, e: Int32) -> cute.Tensor:
@@ -335,7 +344,7 @@ if cutlass is not None:
 
     @cute.jit
     def _words(buf: cute.Tensor, c: cutlass.Constexpr) -> cute.Tensor:
-        """Chunk c's 4 words of a 16-word register buffer."""
+        """Words 4 c .. 4 c + 3 of a register buffer (block r's chunk c is 4 r + c)."""
         return cute.make_tensor(buf.iterator + 4 * c, cute.make_layout(4))
 
 
@@ -349,11 +358,11 @@ def _fake(dtype, shape):
 
 def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: int, top_k: int, tiles: int,
                        warps: int, beta: float, linear_beta: float, pdl: bool, x_stride: int | None = None,
-                       arch: str = ""):
+                       arch: str = "", rb: int = 1):
     """The executor of one projection (compiled against fake tensors, no GPU needed; launched
     on torch's current stream): N weight rows (2 I for gate_up), K; x [rows, K] bf16 with
     row stride ``x_stride`` (K when None); ``arch`` (e.g. ``sm_90a``) compiles for that target."""
-    kernel = Mxfp4Experts(gate_up, top_k, tiles, warps, beta, linear_beta, pdl)
+    kernel = Mxfp4Experts(gate_up, top_k, tiles, warps, beta, linear_beta, pdl, rb)
     out = (_fake(BFloat16, (pairs, N // 2)) if gate_up else _fake(Float32, (pairs, N)))
     x = make_fake_tensor(Int32, (rows, K // 2), ((x_stride or K) // 2, 1), assumed_align=16)
     args = (x, _fake(Int32, (E, N // 16, K // CHUNK, WARP, 4)), _fake(Int32, (E, N // 16, K // BLOCK_K, WARP)),
@@ -374,20 +383,30 @@ def tiles_for(pairs: int, slots: int) -> int:
     return 1 if mean <= 6 else 2 if mean <= 12 else 4
 
 
+def blocks_per_warp(tiles: int, blocks: int) -> int:
+    """16-row blocks per warp: two at two tiles (the warp's x fragments then serve two
+    blocks' MMAs: half the x loads per weight byte), else one. Measured on the H200
+    (docs/results/moe_experts_mxfp4_mma_h200_rb.json): at two tiles 1.05-1.08x faster
+    (EP 8 64 rows: 633.5 against 671.3 us); at one tile within 0.5 % from 8 rows but at
+    EP 1 64 rows (1.04x faster), 1.04-1.06x slower at one row; at four 1.00-1.03x slower.
+    Two need an even ``blocks`` (N / 16)."""
+    return 2 if tiles == 2 and blocks % 2 == 0 else 1
+
+
 _executors: dict[tuple, object] = {}
 
 
 def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, warps: int,
-               beta: float, linear_beta: float, pdl: bool):
+               beta: float, linear_beta: float, pdl: bool, rb: int = 1):
     """The compiled kernel for these shapes (compiled on first use, outside CUDA-graph
     capture); x: the activations' int32 view [rows, K / 2]."""
     E, NB, KC = codes.shape[:3]
     key = (gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, warps, beta, linear_beta, pdl,
-           x.device.index)
+           x.device.index, rb)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.expert_ffn: no SM90 MXFP4 executor for {key} during CUDA-graph "
                                "capture; warm up the step before capturing it")
         _executors[key] = compile_projection(gate_up, E, 16 * NB, CHUNK * KC, x.shape[0], pairs, top_k, tiles,
-                                             warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0))
+                                             warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0), rb=rb)
     return _executors[key]
