@@ -24,9 +24,15 @@ forward context and uses, as loaded:
   [E_local, 2 I, L / 32], ``w2_weight`` [E_local, L, I / 2] + ``w2_weight_scale``
   [E_local, L, I / 32], all uint8 and contiguous. vLLM keeps that layout only under its
   ``mxfp4`` quant method with the emulation MoE backend (``moe_backend="emulation"``,
-  W4A16); our op takes those tensors as they are (no copy). MXFP4 experts another
-  backend re-laid out (Marlin, Triton swizzle, CUTLASS scales, ...) and every other
-  quantization raise ``ValueError`` naming the cause and the fix;
+  W4A16); our op takes those tensors as they are (no copy). Where our SM90 MXFP4 kernel
+  runs (an SM90+ GPU with CuTe DSL, bf16 activations, shapes and scales it takes), the
+  first call reorders each layer's bytes in place into that kernel's layout
+  (``kernels.expert_mxfp4.mma_layout``: the same storage, 5-D views) and vLLM's own MoE
+  path for that layer then refuses to run (``ValueError``: it would read the reordered
+  bytes); ``KIMI_VLLM_MXFP4_LAYOUT=checkpoint`` keeps the checkpoint layout (the Triton
+  kernel). MXFP4 experts another backend re-laid out (Marlin, Triton swizzle, CUTLASS
+  scales, ...) and every other quantization raise ``ValueError`` naming the cause and the
+  fix;
 * ``forward_context.is_padding`` [T] (all T rows of the step): the rows of this shard
   that are padding (or the SP pad beyond T) get expert id -1 and weight 0, so no rank
   computes them; their routed output is zero (vLLM computes and discards them).
@@ -37,6 +43,8 @@ layer's ``max_num_tokens`` bounds the rows.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -113,12 +121,68 @@ def _mxfp4_scales(runner) -> tuple[Tensor, Tensor]:
                      f"{runner.layer_name} has {cause}. Fix: {_FIX}")
 
 
-def _experts(runner) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, int]:
+_SM90: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # layer -> its experts' views in the SM90 layout
+
+
+def _sm90_kernel(device: torch.device) -> bool:
+    from .kernels.expert_ffn import implementation
+
+    return implementation(device, True, True)[0] == "cute"
+
+
+def _sm90_layout(runner, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: Tensor) -> tuple | None:
+    """The layer's MXFP4 experts as 5-D views in the SM90 kernel's layout, reordered in
+    place on the first call (None where that kernel cannot take them); vLLM's own path
+    for the layer refuses from then on."""
+    from .kernels.expert_mxfp4 import mma_layout, supported
+
+    name = runner.layer_name
+    if name in _SM90:
+        return _SM90[name]
+    if os.environ.get("KIMI_VLLM_MXFP4_LAYOUT", "auto") == "checkpoint" or not _sm90_kernel(w13.device) or (
+            supported(w13.shape[1], 2 * w13.shape[2], w13_scale) or supported(w2.shape[1], 2 * w2.shape[2], w2_scale)):
+        return None
+    if w13.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"kimi_vllm.mega_moe: layer {name}'s MXFP4 experts are reordered for the SM90 kernel on "
+                           "their first call, which must come before CUDA-graph capture (vLLM's warmup does)")
+    views = []
+    for (codes, scales), gate_up in (((w13, w13_scale), True), ((w2, w2_scale), False)):
+        c, t = mma_layout(codes, scales, gate_up)
+        for dst, src in ((codes, c), (scales, t)):
+            dst.view(-1).copy_(src.view(-1))
+            views.append(dst.view(src.shape))
+    _refuse_vllm_path(runner)
+    _SM90[name] = (views[0], views[2], views[1], views[3])
+    return _SM90[name]
+
+
+def _refuse_vllm_path(runner) -> None:
+    """vLLM's own MoE entry points for this layer raise (its experts' bytes are reordered)."""
+    experts = runner.routed_experts
+    method = experts.quant_method
+    for entry in ("apply", "apply_monolithic"):
+        original = getattr(method, entry, None)
+        if original is None:
+            continue
+
+        def refuse(*args, _original=original, layer=None, **kwargs):
+            if layer is experts:
+                raise ValueError(f"layer {runner.layer_name}: its MXFP4 experts were reordered in place for "
+                                 "kimi_vllm.mega_moe's SM90 kernel, and vLLM's own MoE path cannot read them; "
+                                 "set KIMI_VLLM_MXFP4_LAYOUT=checkpoint to keep the checkpoint layout")
+            return _original(*args, layer=layer, **kwargs)
+        setattr(method, entry, refuse)
+
+
+def _experts(runner, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, int]:
     """(w13, w2, w13_scale, w2_scale, first global expert id) of this rank, as vLLM loaded
-    them (the scales None for bf16 experts)."""
+    them (the scales None for bf16 experts); MXFP4 experts with bf16 activations
+    (``dtype``) in the SM90 kernel's layout where it runs (``_sm90_layout``)."""
     experts, config = runner.routed_experts, runner.moe_config
     w13, w2 = experts.w13_weight, experts.w2_weight
     scales = (None, None) if w13.dtype in _FLOATS else _mxfp4_scales(runner)
+    if scales[0] is not None and dtype == torch.bfloat16:
+        w13, w2, *scales = _sm90_layout(runner, w13, w2, *scales) or (w13, w2, *scales)
     first = config.ep_rank * w13.shape[0]
     expert_map = experts.expert_map
     if expert_map is not None and runner.layer_name not in _CONTIGUOUS:  # checked once (a host sync): warmup
@@ -148,7 +212,7 @@ def mega_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
     if pad is not None:
         weights = weights.masked_fill(pad[:, None], 0.0)
         ids = ids.masked_fill(pad[:, None], -1)
-    w13, w2, w13_scale, w2_scale, first = _experts(runner)
+    w13, w2, w13_scale, w2_scale, first = _experts(runner, latent.dtype)
     betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
     if None in betas:
         raise ValueError(f"layer {runner.layer_name}: kimi_vllm.mega_moe runs SiTU experts with both betas set; its "

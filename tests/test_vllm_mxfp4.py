@@ -139,3 +139,47 @@ def test_other_mxfp4_layouts_are_refused_with_the_fix(variant, cause):
     with pytest.raises(ValueError, match=rf"layer model\.layers\.1\.block_sparse_moe\.experts has .*{cause}.*"
                                          r"Fix: .*moe_backend='emulation'"):
         vllm_moe._experts(_runner(**variant))
+
+
+def test_mxfp4_experts_are_reordered_in_place_for_the_sm90_kernel(monkeypatch):
+    """Where the SM90 MXFP4 kernel runs (stood in here: the CPU takes the reference), the
+    first call with bf16 activations reorders the layer's bytes in place into its layout
+    (5-D views of vLLM's own storage, once), the op on them equals the op on the
+    checkpoint layout, and vLLM's own MoE path for the layer refuses with the fix;
+    ``KIMI_VLLM_MXFP4_LAYOUT=checkpoint`` and fp32 activations keep the layout."""
+    from kimi_inductor import vllm_moe
+    from kimi_inductor.kernels import expert_ffn as X
+    from kimi_inductor.kernels.expert_mxfp4 import checkpoint_layout
+
+    monkeypatch.setattr(vllm_moe, "_sm90_kernel", lambda device: True)
+    monkeypatch.setattr(vllm_moe, "_SM90", {})
+    L = I = 256
+    runner = _runner(shapes={"w13_weight": (2, 2 * I, L // 2), "w13_weight_scale": (2, 2 * I, L // 32),
+                             "w2_weight": (2, L, I // 2), "w2_weight_scale": (2, L, I // 32)})
+    experts = runner.routed_experts
+    g = torch.Generator().manual_seed(0)
+    for name in ("w13_weight", "w2_weight"):
+        getattr(experts, name).copy_(torch.randint(0, 256, getattr(experts, name).shape, generator=g))
+        getattr(experts, name + "_scale").copy_(torch.randint(118, 129, getattr(experts, name + "_scale").shape,
+                                                              generator=g))
+    stored = [getattr(experts, n).clone() for n in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")]
+    calls = []
+    experts.quant_method.apply = lambda layer=None, **kw: calls.append(layer)
+    other = SimpleNamespace()
+    monkeypatch.setenv("KIMI_VLLM_MXFP4_LAYOUT", "checkpoint")
+    assert vllm_moe._experts(runner, torch.bfloat16)[0] is experts.w13_weight
+    monkeypatch.delenv("KIMI_VLLM_MXFP4_LAYOUT")
+    assert vllm_moe._experts(runner, torch.float32)[0] is experts.w13_weight
+    w13, w2, s13, s2, first = vllm_moe._experts(runner, torch.bfloat16)
+    assert w13.dim() == 5 and w13.data_ptr() == experts.w13_weight.data_ptr() and first == 2  # in place
+    assert vllm_moe._experts(runner, torch.bfloat16)[0] is w13  # reordered once
+    assert all(torch.equal(a, b) for a, b in zip(checkpoint_layout(w13, s13, True) + checkpoint_layout(w2, s2, False),
+                                                 (stored[0], stored[2], stored[1], stored[3])))
+    latent = torch.randn(3, L, generator=g).bfloat16()
+    weights, ids = torch.rand(3, 2, generator=g), torch.tensor([[0, 1], [1, -1], [0, 0]], dtype=torch.int32)
+    assert torch.equal(X.reference(latent, weights, ids, w13, w2, 4.0, 25.0, s13, s2),
+                       X.reference(latent, weights, ids, *stored[:2], 4.0, 25.0, *stored[2:]))
+    with pytest.raises(ValueError, match=r"reordered in place .*KIMI_VLLM_MXFP4_LAYOUT=checkpoint"):
+        experts.quant_method.apply(layer=experts)
+    experts.quant_method.apply(layer=other)  # another layer sharing the method still runs
+    assert calls == [other]
