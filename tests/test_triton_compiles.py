@@ -110,10 +110,12 @@ def test_pair_grouping_kernel_compiles_for_sm90(pairs, experts):
 
     sig = {**{n: "*i32" for n in ("ids_ptr", "order_ptr", "starts_ptr", "counts_ptr", "position_ptr", "slots_ptr")},
            "P": "i32", "E": "i32", "S": "i32", "PB": "constexpr", "BP": "constexpr", "EB": "constexpr",
-           "PDL": "constexpr"}
-    source = ASTSource(expert_ffn._group_kernel, sig, constexprs={
-        "PB": pairs, "BP": min(pairs, expert_ffn.GROUP_BLOCK), "EB": triton.next_power_of_2(experts + 2), "PDL": True})
-    assert "griddepcontrol.wait" in triton.compile(source, target=SM90, options={"num_warps": 8}).asm["ptx"]
+           "COMPARE": "constexpr", "PDL": "constexpr"}
+    for compare in (False, True):
+        source = ASTSource(expert_ffn._group_kernel, sig, constexprs={
+            "PB": pairs, "BP": min(pairs, expert_ffn.GROUP_BLOCK), "EB": triton.next_power_of_2(experts + 2),
+            "COMPARE": compare, "PDL": True})
+        assert "griddepcontrol.wait" in triton.compile(source, target=SM90, options={"num_warps": 4}).asm["ptx"]
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")

@@ -76,8 +76,8 @@ def test_pairs_are_grouped_by_local_expert():
     assert slots.tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("T, k, E", [(1, 16, 112), (8, 16, 896), (16, 16, 112), (5, 3, 4), (16, 16, 64),
-                                     (64, 16, 112), (37, 16, 896)])
+@pytest.mark.parametrize("T, k, E", [(1, 16, 112), (1, 16, 896), (8, 16, 896), (16, 16, 112), (5, 3, 4),
+                                     (16, 16, 64), (64, 16, 112), (37, 16, 896)])
 def test_one_launch_grouping_is_torch_s(T, k, E, monkeypatch):
     """``_group_kernel`` (up to GROUP_PAIRS_MAX pairs) gives torch's stable sort, counts,
     starts, positions and slots, with remote ids and padding; past it, torch's runs."""
