@@ -88,6 +88,14 @@ def _block_rows(N: int, gate_up: bool) -> Tensor:
     return torch.arange(N).view(-1, 16)
 
 
+def _nibble_bits() -> Tensor:
+    """[8, 16] int64: nibble v's bits (m, e0, e1, sign) where word slot (il, ih, h) keeps
+    them: register i = il + 2 ih's ``BITS[i]``, + 16 for the high half h."""
+    v = torch.arange(16)
+    return torch.stack([sum(((v >> b) & 1) << (BITS[il + 2 * ih][b] + 16 * h) for b in range(4))
+                        for il in range(2) for ih in range(2) for h in range(2)])
+
+
 def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Tensor]:
     """Checkpoint MXFP4 (codes [E, N, K / 2] uint8, low nibble = even column; scales [E, N,
     K / 32] uint8) -> the kernel's, the same bytes reordered (codes [E, N / 16, K / 64, 32,
@@ -98,21 +106,17 @@ def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Te
     if why := supported(N, K, scales):
         raise ValueError(f"mma_layout: {why}; keep these experts in the checkpoint's layout")
     rows = _block_rows(N, gate_up).to(codes.device)
-    shift = torch.tensor(BITS, dtype=torch.int64, device=codes.device)  # [i, bit]
+    lut = _nibble_bits().to(codes.device)
     out_c = torch.empty(E, N // 16, K // CHUNK, WARP, 4, dtype=torch.int32, device=codes.device)
     out_s = torch.empty(E, N // 16, K // BLOCK_K, WARP, 1, dtype=torch.int32, device=codes.device)
     for e in range(E):
-        nib = torch.stack([codes[e] & 15, codes[e] >> 4], -1).view(N, K).long()[rows]  # [NB, 16, K]
-        # K element 64 c + 32 jh + 8 q + 4 jl + 2 ih + h is MMA j = 2 jh + jl's (q, ih, h)
-        nib = nib.view(N // 16, 2, 8, K // CHUNK, 2, 4, 2, 2, 2).transpose(5, 6).reshape(
-            N // 16, 2, 8, K // CHUNK, 4, 4, 2, 2)
-        # [NB, il, g, c, j, q, ih, h] -> bits of (m, e0, e1, sign) at BITS[il + 2 ih] + 16 h
-        bits = torch.stack([(nib >> b) & 1 for b in range(4)], -1)  # [..., 4]: m, e0, e1, sign
-        pos = shift.view(2, 2, 4).transpose(0, 1)  # [il, ih, bit]
-        pos = pos[None, :, None, None, None, None, :, None, :] + 16 * torch.arange(2, device=codes.device).view(
-            1, 1, 1, 1, 1, 1, 1, 2, 1)
-        word = (bits << pos).sum((1, 6, 7, 8))  # [NB, g, c, j, q]
-        out_c[e] = word.permute(0, 2, 1, 4, 3).reshape(N // 16, K // CHUNK, WARP, 4).to(torch.int32)
+        nib = torch.stack([codes[e] & 15, codes[e] >> 4], -1).view(N, K)[rows]  # uint8 [NB, 16, K]
+        # K element 64 c + 32 jh + 8 q + 4 jl + 2 ih + h is MMA j = 2 jh + jl's (q, ih, h); row
+        # 8 il + g: [NB, il, g, c, jh, q, jl, ih, h] -> [NB, c, g, q, j, slot = (il, ih, h)]
+        nib = nib.view(N // 16, 2, 8, K // CHUNK, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 1, 7, 8).reshape(
+            N // 16, K // CHUNK, 8, 4, 4, 8)
+        word = sum(lut[slot][nib[..., slot].long()] for slot in range(8))  # int64 [NB, c, g, q, j]
+        out_c[e] = word.reshape(N // 16, K // CHUNK, WARP, 4).to(torch.int32)
         s = scales[e].long()[rows].view(N // 16, 2, 8, K // BLOCK_K, 4, 2)  # [NB, r8, g, blk, q, group parity]
         sw = (s << (8 * (2 * torch.arange(2, device=codes.device).view(1, 1, 1, 1, 1, 2)
                          + torch.arange(2, device=codes.device).view(1, 2, 1, 1, 1, 1)))).sum((1, 5))
