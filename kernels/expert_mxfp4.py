@@ -125,29 +125,27 @@ def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Te
 
 
 def checkpoint_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Tensor]:
-    """The inverse of ``mma_layout``: back to checkpoint codes [E, N, K / 2] and scales."""
+    """The inverse of ``mma_layout``: back to checkpoint codes [E, N, K / 2] and scales
+    [E, N, K / 32] (uint8), expert by expert."""
     E, NB, KC = codes.shape[:3]
     N, K = 16 * NB, CHUNK * KC
     rows = _block_rows(N, gate_up).to(codes.device).reshape(-1)
-    w = codes.view(torch.int32).long() & 0xFFFFFFFF  # [E, NB, c, lane, j]
-    w = w.view(E, NB, KC, 8, 4, 4).permute(0, 1, 3, 2, 5, 4)  # [E, NB, g, c, j, q]
-    pos = torch.tensor(BITS, dtype=torch.int64, device=codes.device)
-    nib = torch.empty(E, NB, 2, 8, KC, 4, 4, 2, 2, dtype=torch.int64, device=codes.device)
-    for il in range(2):
-        for ih in range(2):
-            for h in range(2):
-                p = pos[il + 2 * ih] + 16 * h
-                nib[:, :, il, :, :, :, :, ih, h] = sum(((w >> p[b]) & 1) << b for b in range(4))
-    flat = torch.empty(E, N, K, dtype=torch.int64, device=codes.device)
-    flat[:, rows] = nib.view(E, NB, 2, 8, KC, 2, 2, 4, 2, 2).transpose(6, 7).reshape(E, N, K)
-    out_c = (flat[..., 0::2] | (flat[..., 1::2] << 4)).to(torch.uint8)
-    s = scales.view(torch.int32).long().squeeze(-1) & 0xFFFFFFFF  # [E, NB, blk, lane]
-    s = s.view(E, NB, -1, 8, 4).permute(0, 1, 3, 2, 4)  # [E, NB, g, blk, q]
-    groups = torch.stack([torch.stack([(s >> (8 * (2 * p + r))) & 0xFF for p in range(2)], -1)
-                          for r in range(2)], 2)  # [E, NB, r8, g, blk, q, parity]
-    out_s = torch.empty(E, N, K // 32, dtype=torch.int64, device=codes.device)
-    out_s[:, rows] = groups.reshape(E, N, K // 32)
-    return out_c, out_s.to(torch.uint8)
+    pos = [[BITS[il + 2 * ih][b] + 16 * h for b in range(4)] for il in range(2) for ih in range(2) for h in range(2)]
+    out_c = torch.empty(E, N, K // 2, dtype=torch.uint8, device=codes.device)
+    out_s = torch.empty(E, N, K // 32, dtype=torch.uint8, device=codes.device)
+    for e in range(E):
+        w = codes[e].view(torch.int32).view(NB, KC, 8, 4, 4)  # [NB, c, g, q, j]
+        nib = torch.stack([sum(((w >> p[b]) & 1) << b for b in range(4)) for p in pos], -1).to(torch.uint8)
+        # [NB, c, g, q, jh, jl, il, ih, h] -> [NB, il, g, c, jh, q, jl, ih, h]: row 8 il + g of block, K element
+        # 64 c + 32 jh + 8 q + 4 jl + 2 ih + h
+        flat = torch.empty(N, K, dtype=torch.uint8, device=codes.device)
+        flat[rows] = nib.view(NB, KC, 8, 4, 2, 2, 2, 2, 2).permute(0, 6, 2, 1, 4, 3, 5, 7, 8).reshape(N, K)
+        out_c[e] = flat[:, 0::2] | (flat[:, 1::2] << 4)
+        sw = scales[e].view(torch.int32).view(NB, -1, 8, 4)  # [NB, blk, g, q]: bytes (parity, r8) at 2 parity + r8
+        groups = torch.stack([torch.stack([(sw >> (8 * (2 * par + r))) & 0xFF for par in range(2)], -1)
+                              for r in range(2)], 1)  # [NB, r8, blk, g, q, parity]
+        out_s[e, rows] = groups.permute(0, 1, 3, 2, 4, 5).reshape(N, K // 32).to(torch.uint8)
+    return out_c, out_s
 
 
 if cutlass is not None:
