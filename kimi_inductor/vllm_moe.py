@@ -121,7 +121,7 @@ def _mxfp4_scales(runner) -> tuple[Tensor, Tensor]:
                      f"{runner.layer_name} has {cause}. Fix: {_FIX}")
 
 
-_SM90: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # layer -> its experts' views in the SM90 layout
+_SM90: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # (layer, storage) -> views in the SM90 layout
 
 
 def _sm90_kernel(device: torch.device) -> bool:
@@ -136,9 +136,9 @@ def _sm90_layout(runner, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: T
     for the layer refuses from then on."""
     from .kernels.expert_mxfp4 import mma_layout, supported
 
-    name = runner.layer_name
-    if name in _SM90:
-        return _SM90[name]
+    name, key = runner.layer_name, (runner.layer_name, w13.data_ptr())
+    if key in _SM90:
+        return _SM90[key]
     if os.environ.get("KIMI_VLLM_MXFP4_LAYOUT", "auto") == "checkpoint" or not _sm90_kernel(w13.device) or (
             supported(w13.shape[1], 2 * w13.shape[2], w13_scale) or supported(w2.shape[1], 2 * w2.shape[2], w2_scale)):
         return None
@@ -152,8 +152,8 @@ def _sm90_layout(runner, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: T
             dst.view(-1).copy_(src.view(-1))
             views.append(dst.view(src.shape))
     _refuse_vllm_path(runner)
-    _SM90[name] = (views[0], views[2], views[1], views[3])
-    return _SM90[name]
+    _SM90[key] = (views[0], views[2], views[1], views[3])
+    return _SM90[key]
 
 
 def _refuse_vllm_path(runner) -> None:
