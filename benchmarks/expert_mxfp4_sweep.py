@@ -63,6 +63,32 @@ def parts_us(lat, w, ids, c13, t13, c2, t2) -> dict[str, float]:
     return out
 
 
+def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results) -> None:
+    c13, t13, c2, t2 = experts(E)
+    for rows in rows_list:
+        ids, w = routing(rows, E, TOP_K, gen, "cuda")
+        lat = torch.randn(rows, L, generator=gen).to(torch.bfloat16).cuda()
+        hit = int(torch.unique(ids).numel())
+        row = dict(experts=E, rows=rows, experts_hit=hit,
+                   floor_us=floor_us(hit * (UP_BYTES + DOWN_BYTES) + rows * L * 6),
+                   up_floor_us=floor_us(hit * UP_BYTES), down_floor_us=floor_us(hit * DOWN_BYTES),
+                   default_tiles=MX.tiles_for(rows * TOP_K, min(E, rows * TOP_K)))
+
+        def op(**kw):
+            return X.mma_grouped(lat, w, ids, c13, c2, 4.0, 25.0, t13, t2, **kw)
+        base = op(tiles=1, rb=1)
+        for tiles in (1, 2, 4) if rows > 1 else (1,):
+            for rb in (1, 2):
+                for warps in (2, 4, 8):
+                    key = f"t{tiles}_rb{rb}_w{warps}"
+                    row[key + "_equal"] = bool(torch.equal(op(tiles=tiles, rb=rb, warps=warps), base))
+                    row[key + "_us"] = graph_time_us(lambda i: op(tiles=tiles, rb=rb, warps=warps), calls=10,
+                                                     replays=7)
+        row["default_us"] = graph_time_us(lambda i: op(), calls=10, replays=7)
+        row.update(parts_us(lat, w, ids, c13, t13, c2, t2))
+        res.add(**row)
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--experts", type=int, nargs="+", default=[112, 896])
@@ -72,30 +98,7 @@ def main(argv=None) -> Results:
     gen = torch.Generator().manual_seed(0)
     res = Results("expert_mxfp4_sweep")
     for E in args.experts:
-        c13, t13, c2, t2 = experts(E)
-        for rows in args.rows:
-            ids, w = routing(rows, E, TOP_K, gen, "cuda")
-            lat = torch.randn(rows, L, generator=gen).to(torch.bfloat16).cuda()
-            hit = int(torch.unique(ids).numel())
-            row = dict(experts=E, rows=rows, experts_hit=hit,
-                       floor_us=floor_us(hit * (UP_BYTES + DOWN_BYTES) + rows * L * 6),
-                       up_floor_us=floor_us(hit * UP_BYTES), down_floor_us=floor_us(hit * DOWN_BYTES),
-                       default_tiles=MX.tiles_for(rows * TOP_K, min(E, rows * TOP_K)))
-
-            def op(**kw):
-                return X.mma_grouped(lat, w, ids, c13, c2, 4.0, 25.0, t13, t2, **kw)
-            base = op(tiles=1, rb=1)
-            for tiles in (1, 2, 4) if rows > 1 else (1,):
-                for rb in (1, 2):
-                    for warps in (2, 4, 8):
-                        key = f"t{tiles}_rb{rb}_w{warps}"
-                        row[key + "_equal"] = bool(torch.equal(op(tiles=tiles, rb=rb, warps=warps), base))
-                        row[key + "_us"] = graph_time_us(lambda i: op(tiles=tiles, rb=rb, warps=warps), calls=10,
-                                                         replays=7)
-            row["default_us"] = graph_time_us(lambda i: op(), calls=10, replays=7)
-            row.update(parts_us(lat, w, ids, c13, t13, c2, t2))
-            res.add(**row)
-        del c13, t13, c2, t2
+        sweep(E, args.rows, gen, res)
         torch.cuda.empty_cache()
     if args.json:
         res.dump(args.json)
