@@ -88,12 +88,15 @@ def _block_rows(N: int, gate_up: bool) -> Tensor:
     return torch.arange(N).view(-1, 16)
 
 
+# per word slot (il, ih, h), in that nesting: where its nibble's bits (m, e0, e1, sign)
+# sit, register i = il + 2 ih's ``BITS[i]`` (+ 16 in the high half h)
+SLOT_BITS = [[BITS[il + 2 * ih][b] + 16 * h for b in range(4)] for il in range(2) for ih in range(2) for h in range(2)]
+
+
 def _nibble_bits() -> Tensor:
-    """[8, 16] int64: nibble v's bits (m, e0, e1, sign) where word slot (il, ih, h) keeps
-    them: register i = il + 2 ih's ``BITS[i]``, + 16 for the high half h."""
+    """[8, 16] int64: nibble v placed at each word slot's bits (``SLOT_BITS``)."""
     v = torch.arange(16)
-    return torch.stack([sum(((v >> b) & 1) << (BITS[il + 2 * ih][b] + 16 * h) for b in range(4))
-                        for il in range(2) for ih in range(2) for h in range(2)])
+    return torch.stack([sum(((v >> b) & 1) << pos[b] for b in range(4)) for pos in SLOT_BITS])
 
 
 def mma_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Tensor, Tensor]:
@@ -130,12 +133,11 @@ def checkpoint_layout(codes: Tensor, scales: Tensor, gate_up: bool) -> tuple[Ten
     E, NB, KC = codes.shape[:3]
     N, K = 16 * NB, CHUNK * KC
     rows = _block_rows(N, gate_up).to(codes.device).reshape(-1)
-    pos = [[BITS[il + 2 * ih][b] + 16 * h for b in range(4)] for il in range(2) for ih in range(2) for h in range(2)]
     out_c = torch.empty(E, N, K // 2, dtype=torch.uint8, device=codes.device)
     out_s = torch.empty(E, N, K // 32, dtype=torch.uint8, device=codes.device)
     for e in range(E):
         w = codes[e].view(torch.int32).view(NB, KC, 8, 4, 4)  # [NB, c, g, q, j]
-        nib = torch.stack([sum(((w >> p[b]) & 1) << b for b in range(4)) for p in pos], -1).to(torch.uint8)
+        nib = torch.stack([sum(((w >> p[b]) & 1) << b for b in range(4)) for p in SLOT_BITS], -1).to(torch.uint8)
         # [NB, c, g, q, jh, jl, il, ih, h] -> [NB, il, g, c, jh, q, jl, ih, h]: row 8 il + g of block, K element
         # 64 c + 32 jh + 8 q + 4 jl + 2 ih + h
         flat = torch.empty(N, K, dtype=torch.uint8, device=codes.device)
