@@ -73,10 +73,25 @@ def supported(N: int, K: int, scales: Tensor | None = None) -> str:
     """Why the kernel cannot take an [N, K] weight with E8M0 ``scales`` ('' when it can)."""
     if N % 16 or K % BLOCK_K:
         return f"[{N}, {K}]: the SM90 MXFP4 kernel needs N % 16 == 0 and K % {BLOCK_K} == 0"
-    if scales is not None and scales.numel() and int(scales.max()) > MAX_SCALE:
-        return (f"E8M0 scale byte {int(scales.max())} (2^{int(scales.max()) - 127}): the SM90 MXFP4 kernel "
-                f"folds the scale into a bf16 multiply, 2^(s - 1), and takes bytes up to {MAX_SCALE} (2^1)")
+    top = int(scales.max()) if scales is not None and scales.numel() else 0
+    if top > MAX_SCALE:
+        return (f"E8M0 scale byte {top} (2^{top - 127}): the SM90 MXFP4 kernel folds the scale into a bf16 "
+                f"multiply, 2^(s - 1), and takes bytes up to {MAX_SCALE} (2^1)")
     return ""
+
+
+def runs_on(device) -> bool:
+    """Whether this kernel serves ``expert_ffn`` on ``device`` (an SM90+ GPU with CuTe DSL)."""
+    from .expert_ffn import implementation
+
+    device = torch.device(device or "cpu")
+    return device.type == "cuda" and implementation(device, True, True)[0] == "cute"
+
+
+def experts_supported(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor) -> str:
+    """Why the kernel cannot take these checkpoint-layout MXFP4 experts ('' when it can)."""
+    return (supported(w13.shape[1], 2 * w13.shape[2], w13_scale)
+            or supported(w2.shape[1], 2 * w2.shape[2], w2_scale))
 
 
 def _block_rows(N: int, gate_up: bool) -> Tensor:

@@ -121,33 +121,30 @@ def _mxfp4_scales(runner) -> tuple[Tensor, Tensor]:
                      f"{runner.layer_name} has {cause}. Fix: {_FIX}")
 
 
-_SM90: dict[tuple, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # (layer, storage) -> views in the SM90 layout
-
-
-def _sm90_kernel(device: torch.device) -> bool:
-    from .kernels.expert_ffn import implementation
-
-    return implementation(device, True, True)[0] == "cute"
+_SM90: dict[tuple, tuple | None] = {}  # (layer, storage) -> views in the SM90 layout, or None: kept as loaded
 
 
 def _sm90_layout(runner, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: Tensor) -> tuple | None:
     """The layer's MXFP4 experts as 5-D views in the SM90 kernel's layout, reordered in
     place on the first call (None where that kernel cannot take them); vLLM's own path
-    for the layer refuses from then on."""
-    from .kernels.expert_mxfp4 import mma_layout, supported
+    for the layer refuses from then on. Decided once per layer (the scale check reads
+    the scales back to the host)."""
+    from .kernels import expert_mxfp4
 
     name, key = runner.layer_name, (runner.layer_name, w13.data_ptr())
+    if os.environ.get("KIMI_VLLM_MXFP4_LAYOUT", "auto") == "checkpoint":
+        return None
     if key in _SM90:
         return _SM90[key]
-    if os.environ.get("KIMI_VLLM_MXFP4_LAYOUT", "auto") == "checkpoint" or not _sm90_kernel(w13.device) or (
-            supported(w13.shape[1], 2 * w13.shape[2], w13_scale) or supported(w2.shape[1], 2 * w2.shape[2], w2_scale)):
+    if not expert_mxfp4.runs_on(w13.device) or expert_mxfp4.experts_supported(w13, w13_scale, w2, w2_scale):
+        _SM90[key] = None
         return None
     if w13.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"kimi_vllm.mega_moe: layer {name}'s MXFP4 experts are reordered for the SM90 kernel on "
                            "their first call, which must come before CUDA-graph capture (vLLM's warmup does)")
     views = []
     for (codes, scales), gate_up in (((w13, w13_scale), True), ((w2, w2_scale), False)):
-        c, t = mma_layout(codes, scales, gate_up)
+        c, t = expert_mxfp4.mma_layout(codes, scales, gate_up)
         for dst, src in ((codes, c), (scales, t)):
             dst.view(-1).copy_(src.view(-1))
             views.append(dst.view(src.shape))

@@ -149,9 +149,10 @@ def test_mxfp4_experts_are_reordered_in_place_for_the_sm90_kernel(monkeypatch):
     ``KIMI_VLLM_MXFP4_LAYOUT=checkpoint`` and fp32 activations keep the layout."""
     from kimi_inductor import vllm_moe
     from kimi_inductor.kernels import expert_ffn as X
+    from kimi_inductor.kernels import expert_mxfp4
     from kimi_inductor.kernels.expert_mxfp4 import checkpoint_layout
 
-    monkeypatch.setattr(vllm_moe, "_sm90_kernel", lambda device: True)
+    monkeypatch.setattr(expert_mxfp4, "runs_on", lambda device: True)
     monkeypatch.setattr(vllm_moe, "_SM90", {})
     L = I = 256
     runner = _runner(shapes={"w13_weight": (2, 2 * I, L // 2), "w13_weight_scale": (2, 2 * I, L // 32),

@@ -388,6 +388,8 @@ def build_model(config: KimiK3Config, tensors: Mapping[str, Tensor], par: Parall
     ``mxfp4_layout``: "checkpoint" keeps their bytes as stored, "sm90" reorders them for
     the SM90 expert kernel (``KimiMoE.mxfp4_for_sm90``), "auto" does so where that kernel
     runs (an SM90+ GPU with CuTe DSL, bf16 activations, shapes it takes)."""
+    from kimi_inductor.kernels import expert_mxfp4
+
     if mxfp4_layout not in ("auto", "checkpoint", "sm90"):
         raise ValueError(f"mxfp4_layout={mxfp4_layout!r}: use 'auto', 'checkpoint' or 'sm90'")
     check_tensors(config, tensors)
@@ -400,31 +402,16 @@ def build_model(config: KimiK3Config, tensors: Mapping[str, Tensor], par: Parall
     state = {k: v.to(device=device or "cpu", dtype=params[k].dtype)
              for k, v in rank_state_dict(model, tensors).items()}
     model.load_state_dict(state, strict=True, assign=True)
-    if mxfp4_layout == "sm90" or (mxfp4_layout == "auto" and dtype == torch.bfloat16 and _sm90_kernel(device)):
+    if mxfp4_layout == "sm90" or (mxfp4_layout == "auto" and dtype == torch.bfloat16
+                                  and expert_mxfp4.runs_on(device)):
         for layer in model.model.layers:
             moe = layer.block_sparse_moe if layer.is_moe_layer else None
             if moe is None or moe.experts.w13_weight.dtype != torch.uint8:
                 continue
-            why = _sm90_shapes(moe)
+            ex = moe.experts
+            why = expert_mxfp4.experts_supported(ex.w13_weight, ex.w13_weight_scale, ex.w2_weight, ex.w2_weight_scale)
             if why and mxfp4_layout == "sm90":
                 raise ValueError(f"mxfp4_layout='sm90': {why} (load with mxfp4_layout='checkpoint')")
             if not why:
                 moe.mxfp4_for_sm90()
     return model.to(dtype) if dtype != torch.bfloat16 else model
-
-
-def _sm90_kernel(device) -> bool:
-    from kimi_inductor.kernels.expert_ffn import implementation
-
-    device = torch.device(device or "cpu")
-    return device.type == "cuda" and implementation(device, True, True)[0] == "cute"
-
-
-def _sm90_shapes(moe) -> str:
-    """Why the SM90 MXFP4 kernel cannot take this layer's experts ('' when it can)."""
-    from kimi_inductor.kernels.expert_mxfp4 import supported
-
-    ex = moe.experts
-    w13, w2 = ex.w13_weight, ex.w2_weight
-    return (supported(w13.shape[1], 2 * w13.shape[2], ex.w13_weight_scale)
-            or supported(w2.shape[1], 2 * w2.shape[2], ex.w2_weight_scale))
