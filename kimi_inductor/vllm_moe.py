@@ -29,8 +29,8 @@ forward context and uses, as loaded:
   first call reorders each layer's bytes in place into that kernel's layout
   (``kernels.expert_mxfp4.mma_layout``: the same storage, 5-D views) and vLLM's own MoE
   path for that layer then refuses to run (``ValueError``: it would read the reordered
-  bytes); ``KIMI_VLLM_MXFP4_LAYOUT=checkpoint`` keeps the checkpoint layout (the Triton
-  kernel). MXFP4 experts another backend re-laid out (Marlin, Triton swizzle, CUTLASS
+  bytes); ``KIMI_VLLM_MXFP4_LAYOUT=checkpoint``, set before a layer's first bf16 call,
+  keeps the checkpoint layout (the Triton kernel). MXFP4 experts another backend re-laid out (Marlin, Triton swizzle, CUTLASS
   scales, ...) and every other quantization raise ``ValueError`` naming the cause and the
   fix;
 * ``forward_context.is_padding`` [T] (all T rows of the step): the rows of this shard
@@ -124,18 +124,22 @@ def _mxfp4_scales(runner) -> tuple[Tensor, Tensor]:
 _SM90: dict[tuple, tuple | None] = {}  # (layer, storage) -> views in the SM90 layout, or None: kept as loaded
 
 
-def _sm90_layout(runner, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: Tensor) -> tuple | None:
-    """The layer's MXFP4 experts as 5-D views in the SM90 kernel's layout, reordered in
-    place on the first call (None where that kernel cannot take them); vLLM's own path
-    for the layer refuses from then on. Decided once per layer (the scale check reads
-    the scales back to the host)."""
+def _sm90_layout(runner, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: Tensor,
+                 dtype: torch.dtype | None) -> tuple | None:
+    """The layer's MXFP4 experts as 5-D views in the SM90 kernel's layout: reordered in
+    place on the first call with bf16 activations (``dtype``) where that kernel takes them,
+    after which vLLM's own path for the layer refuses and every call gets the views (the
+    bytes are in no other layout). None: kept as loaded. Decided once per layer (the
+    scale check reads the scales back to the host)."""
     from .kernels import expert_mxfp4
 
     name, key = runner.layer_name, (runner.layer_name, w13.data_ptr())
-    if os.environ.get("KIMI_VLLM_MXFP4_LAYOUT", "auto") == "checkpoint":
+    if _SM90.get(key) is not None:
+        return _SM90[key]
+    if dtype != torch.bfloat16 or os.environ.get("KIMI_VLLM_MXFP4_LAYOUT", "auto") == "checkpoint":
         return None
     if key in _SM90:
-        return _SM90[key]
+        return None
     if not expert_mxfp4.runs_on(w13.device) or expert_mxfp4.experts_supported(w13, w13_scale, w2, w2_scale):
         _SM90[key] = None
         return None
@@ -173,13 +177,13 @@ def _refuse_vllm_path(runner) -> None:
 
 def _experts(runner, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, int]:
     """(w13, w2, w13_scale, w2_scale, first global expert id) of this rank, as vLLM loaded
-    them (the scales None for bf16 experts); MXFP4 experts with bf16 activations
-    (``dtype``) in the SM90 kernel's layout where it runs (``_sm90_layout``)."""
+    them (the scales None for bf16 experts); MXFP4 experts in the SM90 kernel's layout
+    where it runs, from the first call with bf16 activations (``dtype``; ``_sm90_layout``)."""
     experts, config = runner.routed_experts, runner.moe_config
     w13, w2 = experts.w13_weight, experts.w2_weight
     scales = (None, None) if w13.dtype in _FLOATS else _mxfp4_scales(runner)
-    if scales[0] is not None and dtype == torch.bfloat16:
-        w13, w2, *scales = _sm90_layout(runner, w13, w2, *scales) or (w13, w2, *scales)
+    if scales[0] is not None:
+        w13, w2, *scales = _sm90_layout(runner, w13, w2, *scales, dtype) or (w13, w2, *scales)
     first = config.ep_rank * w13.shape[0]
     expert_map = experts.expert_map
     if expert_map is not None and runner.layer_name not in _CONTIGUOUS:  # checked once (a host sync): warmup

@@ -174,6 +174,9 @@ def test_mxfp4_experts_are_reordered_in_place_for_the_sm90_kernel(monkeypatch):
     w13, w2, s13, s2, first = vllm_moe._experts(runner, torch.bfloat16)
     assert w13.dim() == 5 and w13.data_ptr() == experts.w13_weight.data_ptr() and first == 2  # in place
     assert vllm_moe._experts(runner, torch.bfloat16)[0] is w13  # reordered once
+    monkeypatch.setenv("KIMI_VLLM_MXFP4_LAYOUT", "checkpoint")  # too late to keep the layout: the bytes moved,
+    assert vllm_moe._experts(runner, torch.float32)[0] is w13  # so every call reads the views (never as stored)
+    monkeypatch.delenv("KIMI_VLLM_MXFP4_LAYOUT")
     assert all(torch.equal(a, b) for a, b in zip(checkpoint_layout(w13, s13, True) + checkpoint_layout(w2, s2, False),
                                                  (stored[0], stored[2], stored[1], stored[3])))
     latent = torch.randn(3, L, generator=g).bfloat16()
