@@ -84,7 +84,14 @@ if triton is not None:
         slot0 = tl.load(slots_ptr + r * Q)
         live = slot0 > 0
         slot0 = tl.maximum(slot0, 0).to(tl.int64)
-        start = tl.maximum(tl.load(acc_ptr + r) - 1, 0)
+        # the states start at slot [r, accepted - 1]; with one token that is slot0 (stock's
+        # index is out of range for any other), read with no dependent load before the state
+        if Q == 1:
+            start = 0
+            start_slot = slot0
+        else:
+            start = tl.maximum(tl.load(acc_ptr + r) - 1, 0)
+            start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
 
         # conv history (3 saved raw inputs) and the 4 taps of the head's q, k, v channels
         cq, ck, cv = h * D + d, P + h * D + d, 2 * P + h * D + v
@@ -124,7 +131,6 @@ if triton is not None:
         a_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * D + d).to(tl.float32)
         norm_w = tl.load(normw_ptr + d).to(tl.float32)
-        start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
         head = h * D * D
         S = tl.load(rec_ptr + start_slot * stride_rec_s + head + v[:, None] * D + d[None, :])  # [BV, K]
         # Every thread must have read the saved conv window and state before any thread
