@@ -30,9 +30,9 @@ forward context and uses, as loaded:
   (``kernels.expert_mxfp4.mma_layout``: the same storage, 5-D views) and vLLM's own MoE
   path for that layer then refuses to run (``ValueError``: it would read the reordered
   bytes); ``KIMI_VLLM_MXFP4_LAYOUT=checkpoint``, set before a layer's first bf16 call,
-  keeps the checkpoint layout (the Triton kernel). MXFP4 experts another backend re-laid out (Marlin, Triton swizzle, CUTLASS
-  scales, ...) and every other quantization raise ``ValueError`` naming the cause and the
-  fix;
+  keeps the checkpoint layout (the Triton kernel). MXFP4 experts another backend re-laid
+  out (Marlin, Triton swizzle, CUTLASS scales, ...) and every other quantization raise
+  ``ValueError`` naming the cause and the fix;
 * ``forward_context.is_padding`` [T] (all T rows of the step): the rows of this shard
   that are padding (or the SP pad beyond T) get expert id -1 and weight 0, so no rank
   computes them; their routed output is zero (vLLM computes and discards them).
@@ -134,11 +134,9 @@ def _sm90_layout(runner, w13: Tensor, w2: Tensor, w13_scale: Tensor, w2_scale: T
     from .kernels import expert_mxfp4
 
     name, key = runner.layer_name, (runner.layer_name, w13.data_ptr())
-    if _SM90.get(key) is not None:
+    if key in _SM90:  # decided: the views (the bytes moved), or kept as loaded
         return _SM90[key]
     if dtype != torch.bfloat16 or os.environ.get("KIMI_VLLM_MXFP4_LAYOUT", "auto") == "checkpoint":
-        return None
-    if key in _SM90:
         return None
     if not expert_mxfp4.runs_on(w13.device) or expert_mxfp4.experts_supported(w13, w13_scale, w2, w2_scale):
         _SM90[key] = None
