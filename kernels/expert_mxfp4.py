@@ -415,6 +415,16 @@ def blocks_per_warp(tiles: int, blocks: int) -> int:
 _executors: dict[tuple, object] = {}
 
 
+def executor(key: tuple, build):
+    """The executor cached under ``key``, ``build()`` on first use (outside CUDA-graph capture)."""
+    if key not in _executors:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kimi_kernels.expert_ffn: no SM90 MXFP4 executor for {key} during CUDA-graph "
+                               "capture; warm up the step before capturing it")
+        _executors[key] = build()
+    return _executors[key]
+
+
 def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, warps: int,
                beta: float, linear_beta: float, pdl: bool, rb: int = 1):
     """The compiled kernel for these shapes (compiled on first use, outside CUDA-graph
@@ -422,10 +432,6 @@ def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, 
     E, NB, KC = codes.shape[:3]
     key = (gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, warps, beta, linear_beta, pdl,
            x.device.index, rb)
-    if key not in _executors:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"kimi_kernels.expert_ffn: no SM90 MXFP4 executor for {key} during CUDA-graph "
-                               "capture; warm up the step before capturing it")
-        _executors[key] = compile_projection(gate_up, E, 16 * NB, CHUNK * KC, x.shape[0], pairs, top_k, tiles,
-                                             warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0), rb=rb)
-    return _executors[key]
+    return executor(key, lambda: compile_projection(gate_up, E, 16 * NB, CHUNK * KC, x.shape[0], pairs, top_k,
+                                                    tiles, warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0),
+                                                    rb=rb))

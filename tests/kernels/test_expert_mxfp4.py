@@ -12,6 +12,7 @@ import torch
 import kimi_inductor.kernels  # noqa: F401
 from kimi_inductor.kernels import expert_ffn as X
 from kimi_inductor.kernels import expert_mxfp4 as MX
+from kimi_inductor.kernels import expert_mxfp4_wgmma as WG
 from kimi_inductor.kernels.skinny_gemm import cute_available
 from kimi_inductor.stock.mxfp4 import dequantize_experts
 
@@ -135,3 +136,70 @@ def test_mma_grouped_hot_expert_takes_several_passes():
             err = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
             assert err.max() < 1e-2, f"{tiles} tiles, {rb} blocks per warp: row relative error {err.max():.2e}"
             assert torch.equal(got, one)  # every output's dot in the same order
+
+
+@needs_cute
+@pytest.mark.parametrize("gate_up, tiles", [(True, 1), (False, 1), (True, 2), (False, 2), (False, 4)])
+def test_wgmma_compiles_for_sm90a(gate_up, tiles):
+    N, K = (6144, 3584) if gate_up else (3584, 3072)
+    WG.compile_projection(gate_up, 112, N, K, 64, 1024, 16, tiles, 2, 7, 1.0, 1.0, True, arch="sm_90a")
+
+
+def test_wgmma_refuses_rows_off_its_m64():
+    assert WG.supported(6144) == "" and "N % 64" in WG.supported(6160)
+    with pytest.raises(ValueError, match="N % 64"):
+        WG.compile_projection(True, 2, 6160, 512, 1, 16, 16, 1, 1, 1, 1.0, 1.0, False)
+
+
+def test_wgmma_ctas_fill_the_waves():
+    # EP 8 at 64 rows: 112 experts, 96 groups of gate_up, two warpgroups, one CTA per SM at two tiles
+    c = WG.ctas_for(112, 96, 2, 2, 3584, 132)
+    waves = -(-112 * c // 132)
+    assert 96 // (c * 2) >= 4 and waves * -(-96 // (2 * c)) <= 1.05 * 112 * 96 / (132 * 2)
+
+
+@pytest.mark.gpu
+@on_gpu
+@needs_cute
+@pytest.mark.parametrize("E, L, I", [(8, 3584, 3072), (5, 512, 256)])
+@pytest.mark.parametrize("T, k", [(1, 16), (8, 16), (64, 16), (5, 3)])
+@pytest.mark.parametrize("wgmma", [(1, 0), (2, 3)])
+def test_wgmma_matches_the_stock_loop(T, k, E, L, I, wgmma):
+    g = torch.Generator().manual_seed(T * k)
+    ids = torch.randint(-1, 2 * E, (T, k), generator=g).int().cuda()
+    latent = torch.randn(T, L, generator=g).to(torch.bfloat16).cuda()
+    weights = torch.rand(T, k, generator=g).cuda()
+    q13, s13 = _checkpoint(E, 2 * I, L, seed=1, lo=115, hi=125, device="cuda")
+    q2, s2 = _checkpoint(E, L, I, seed=2, lo=118, hi=126, device="cuda")
+    (c13, t13), (c2, t2) = MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False)
+    want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
+    mma = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)
+    for tiles in (1, 2, 4):
+        got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=wgmma)
+        for other in (want, mma):
+            err = (got - other).norm(dim=1) / other.norm(dim=1).clamp_min(1e-6)
+            assert err.max() < 1e-2, f"{tiles} tiles: row relative error {err.max():.2e}"
+            assert ((got - other).abs() <= 2**-5 * other.abs().amax(1, keepdim=True) + 1e-6).all()
+        assert (got[(ids < 0).all(1)] == 0).all()
+
+
+@pytest.mark.gpu
+@on_gpu
+@needs_cute
+def test_wgmma_hot_expert_takes_several_passes():
+    E, L, I, T = 4, 512, 256, 80
+    ids = torch.tensor([[1, E + 1]] * T)
+    ids[::7, 1] = 0
+    ids[3] = -1
+    ids = ids.int().cuda()
+    latent = torch.randn(T, L).to(torch.bfloat16).cuda()
+    weights = torch.rand(T, 2).cuda()
+    q13, s13 = _checkpoint(E, 2 * I, L, seed=3, lo=118, hi=126, device="cuda")
+    q2, s2 = _checkpoint(E, L, I, seed=4, lo=118, hi=126, device="cuda")
+    (c13, t13), (c2, t2) = MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False)
+    want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
+    for tiles in (1, 2):
+        for wgmma in ((1, 1), (2, 2), (4, 0)):
+            got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=wgmma)
+            err = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
+            assert err.max() < 1e-2, f"{tiles} tiles, {wgmma}: row relative error {err.max():.2e}"
