@@ -163,8 +163,7 @@ def test_wgmma_ctas_fill_the_waves():
 @needs_cute
 @pytest.mark.parametrize("E, L, I", [(8, 3584, 3072), (5, 512, 256)])
 @pytest.mark.parametrize("T, k", [(1, 16), (8, 16), (64, 16), (5, 3)])
-@pytest.mark.parametrize("wgmma", [(1, 0), (2, 3)])
-def test_wgmma_matches_the_stock_loop(T, k, E, L, I, wgmma):
+def test_wgmma_matches_the_stock_loop(T, k, E, L, I):
     g = torch.Generator().manual_seed(T * k)
     ids = torch.randint(-1, 2 * E, (T, k), generator=g).int().cuda()
     latent = torch.randn(T, L, generator=g).to(torch.bfloat16).cuda()
@@ -175,7 +174,7 @@ def test_wgmma_matches_the_stock_loop(T, k, E, L, I, wgmma):
     want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     mma = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)
     for tiles in (1, 2, 4):
-        got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=wgmma)
+        got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=(2, 0))
         for other in (want, mma):
             err = (got - other).norm(dim=1) / other.norm(dim=1).clamp_min(1e-6)
             assert err.max() < 1e-2, f"{tiles} tiles: row relative error {err.max():.2e}"
