@@ -59,6 +59,22 @@ CORE = 128  # bytes of one 8 x 16-byte core matrix
 REGS = 96  # registers per thread (ptxas: 86 at two tiles), for the occupancy in ``ctas_for``
 
 
+def b_word(u, kk, nn, r, qq, tiles: int):
+    """Shared-memory word (int32) of x in the B layout: k16 unit u, logical k half kk,
+    pairs 8 nn .., pair row r, word qq of the core matrix row (Python or DSL integers)."""
+    return ((2 * u + kk) * tiles + nn) * (CORE // 4) + 4 * r + qq
+
+
+def lbo(tiles: int) -> int:
+    """Descriptor leading byte offset: from logical k 0-7 to 8-15 of a unit (K step)."""
+    return 4 * (b_word(0, 1, 0, 0, 0, tiles) - b_word(0, 0, 0, 0, 0, tiles))
+
+
+def sbo(tiles: int) -> int:
+    """Descriptor stride byte offset: from pairs 8 nn .. to 8 (nn + 1) .. (N step)."""
+    return 4 * (b_word(0, 0, 1, 0, 0, tiles) - b_word(0, 0, 0, 0, 0, tiles))
+
+
 def supported(N: int) -> str:
     """Why the WGMMA kernel cannot take N weight rows ('' when it can)."""
     return "" if N % ROWS == 0 else f"{N} weight rows: the WGMMA MXFP4 kernel needs N % {ROWS} == 0"
@@ -138,9 +154,10 @@ if cutlass is not None:
             q = lane % 4
             smem = cutlass.utils.SmemAllocator()
             xs = smem.allocate_tensor(Int32, cute.make_layout(smem_bytes(NT, self.K) // 4), byte_alignment=128)
-            # descriptor words: start address >> 4 | LBO (128 NT bytes) >> 4 << 16; SBO (128) >> 4 << 0 (high word)
-            desc_lo0 = (xs.iterator.toint() >> 4) | ((CORE * NT // 16) << 16)
-            desc_hi = Int32(CORE // 16)
+            # descriptor words: start address >> 4 | LBO >> 4 << 16; SBO >> 4 (high word); no swizzle
+            desc_lo0 = (xs.iterator.toint() >> 4) | ((lbo(NT) // 16) << 16)
+            desc_hi = Int32(sbo(NT) // 16)
+            unit = 4 * b_word(1, 0, 0, 0, 0, NT) // 16  # one k16 unit's B, in 16-byte steps
             if const_expr(self.pdl and self.gate_up):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
@@ -204,7 +221,7 @@ if cutlass is not None:
                             cute.nvgpu.warpgroup.fence()
                             for j in cutlass.range_constexpr(4):
                                 d = _wgmma([acc[0, t, v] for t in range(NT) for v in range(4)], a[j],
-                                           desc_lo0 + ((blk * 4 + c) * 4 + j) * (2 * CORE * NT // 16), desc_hi)
+                                           desc_lo0 + ((blk * 4 + c) * 4 + j) * unit, desc_hi)
                                 for t in cutlass.range_constexpr(NT):
                                     for v in cutlass.range_constexpr(4):
                                         acc[0, t, v] = d[4 * t + v]
@@ -235,7 +252,7 @@ if cutlass is not None:
                 cute.copy(load_x, xv[row, (None, 4 * vq + qq)], xr)
                 for w in cutlass.range_constexpr(4):  # word 2 jl + kk -> (u = 2 vq + jl, kk)
                     u = 2 * vq + w // 2
-                    xs[((2 * u + w % 2) * NT + nn) * 32 + 4 * r + qq] = xr[w]
+                    xs[b_word(u, w % 2, nn, r, qq, NT)] = xr[w]
 
 
 def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: int, top_k: int, tiles: int,

@@ -145,6 +145,33 @@ def test_wgmma_compiles_for_sm90a(gate_up, tiles):
     WG.compile_projection(gate_up, 112, N, K, 64, 1024, 16, tiles, 2, 7, 1.0, 1.0, True, arch="sm_90a")
 
 
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+def test_wgmma_b_operand_is_x_in_the_fragments_k_order(tiles):
+    """x staged as ``WgmmaExperts.stage`` does, read back as the MMA reads its descriptor
+    (no swizzle, K-major: core matrix (kk, nn) at LBO kk + SBO nn, pair row r at 16 r,
+    logical k 8 kk + 2 q + h at byte 4 q + 2 h), is x at the A fragments' K element."""
+    K = 512
+    words = torch.full((WG.smem_bytes(tiles, K) // 4,), -1, dtype=torch.long)  # smem word -> x word (row * K / 2 + word)
+    for t in range(tiles * K // 32):  # warp tasks, lanes (r, qq)
+        nn, vq = t % tiles, t // tiles
+        for r in range(8):
+            for qq in range(4):
+                v = 4 * vq + qq
+                for w in range(4):
+                    words[WG.b_word(2 * vq + w // 2, w % 2, nn, r, qq, tiles)] = (8 * nn + r) * (K // 2) + 4 * v + w
+    assert (words >= 0).all()
+    for u in range(K // 16):
+        c, j = divmod(u, 4)
+        for n in range(8 * tiles):
+            for k in range(16):
+                kk, q, h = k // 8, (k % 8) // 2, k % 2
+                byte = 4 * WG.b_word(u, 0, 0, 0, 0, tiles) + WG.lbo(tiles) * kk + WG.sbo(tiles) * (n // 8) \
+                    + 16 * (n % 8) + 4 * q
+                element = 2 * int(words[byte // 4]) + h
+                want = MX.CHUNK * c + 32 * (j >> 1) + 8 * q + 4 * (j & 1) + 2 * kk + h
+                assert element == n * K + want
+
+
 def test_wgmma_refuses_rows_off_its_m64():
     assert WG.supported(6144) == "" and "N % 64" in WG.supported(6160)
     with pytest.raises(ValueError, match="N % 64"):
