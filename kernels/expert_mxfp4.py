@@ -382,6 +382,12 @@ def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: 
     on torch's current stream): N weight rows (2 I for gate_up), K; x [rows, K] bf16 with
     row stride ``x_stride`` (K when None); ``arch`` (e.g. ``sm_90a``) compiles for that target."""
     kernel = Mxfp4Experts(gate_up, top_k, tiles, warps, beta, linear_beta, pdl, rb)
+    return compile_kernel(kernel, gate_up, E, N, K, rows, pairs, x_stride, arch)
+
+
+def compile_kernel(kernel, gate_up: bool, E: int, N: int, K: int, rows: int, pairs: int, x_stride: int | None,
+                   arch: str):
+    """``kernel`` (a projection's ``__call__``) compiled against fake tensors of these shapes."""
     out = (_fake(BFloat16, (pairs, N // 2)) if gate_up else _fake(Float32, (pairs, N)))
     x = make_fake_tensor(Int32, (rows, K // 2), ((x_stride or K) // 2, 1), assumed_align=16)
     args = (x, _fake(Int32, (E, N // 16, K // CHUNK, WARP, 4)), _fake(Int32, (E, N // 16, K // BLOCK_K, WARP)),

@@ -50,7 +50,6 @@ try:
     from cutlass import Float32, Int32, const_expr
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 except ImportError:  # the `cute` extra is not installed
     cutlass = None
 
@@ -262,14 +261,7 @@ def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: 
     if why := supported(N):
         raise ValueError(why)
     kernel = WgmmaExperts(gate_up, top_k, tiles, groups, ctas, K, beta, linear_beta, pdl)
-    out = (MX._fake(cutlass.BFloat16, (pairs, N // 2)) if gate_up else MX._fake(Float32, (pairs, N)))
-    x = make_fake_tensor(Int32, (rows, K // 2), ((x_stride or K) // 2, 1), assumed_align=16)
-    args = (x, MX._fake(Int32, (E, N // 16, K // MX.CHUNK, MX.WARP, 4)),
-            MX._fake(Int32, (E, N // 16, K // MX.BLOCK_K, MX.WARP)), MX._fake(Int32, (min(E, pairs),)),
-            MX._fake(Int32, (pairs,)), MX._fake(Int32, (E,)), MX._fake(Int32, (E,)), MX._fake(Float32, (pairs,)),
-            out, make_fake_stream(use_tvm_ffi_env_stream=True))
-    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
-    return cute.compile(kernel, *args, options=options)
+    return MX.compile_kernel(kernel, gate_up, E, N, K, rows, pairs, x_stride, arch)
 
 
 def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, groups: int,
