@@ -241,10 +241,7 @@ if cutlass is not None:
         def __call__(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
                      order: cute.Tensor, starts: cute.Tensor, counts: cute.Tensor, weights: cute.Tensor,
                      out: cute.Tensor, stream: CUstream):
-            load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
-                                         load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-            load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
-                                         load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
+            load_w, load_x = _loads()
             blocks = cute.size(codes, mode=[1])
             self.kernel(x, codes, scales, slots, order, starts, counts, weights, out, load_w, load_x).launch(
                 grid=[cute.size(slots), cute.ceil_div(blocks, self.warps * self.rb), 1], block=[self.warps * WARP, 1, 1],
@@ -353,6 +350,14 @@ if cutlass is not None:
                             w = weights[order[start + m]]
                             out[start + m, 16 * b + g] = acc[r, nt, h].to(BFloat16).to(Float32) * w
                             out[start + m, 16 * b + 8 + g] = acc[r, nt, 2 + h].to(BFloat16).to(Float32) * w
+
+    @cute.jit
+    def _loads() -> tuple:
+        """16-byte register loads: the codes (streaming: read once) and x (cached)."""
+        return (cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                    load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING),
+                cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                    load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS))
 
     @cute.jit
     def _expert(t: cute.Tensor, e: Int32) -> cute.Tensor:

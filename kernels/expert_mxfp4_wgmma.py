@@ -131,9 +131,7 @@ if cutlass is not None:
         def __call__(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
                      order: cute.Tensor, starts: cute.Tensor, counts: cute.Tensor, weights: cute.Tensor,
                      out: cute.Tensor, stream: CUstream):
-            load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
-                                         load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-            load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128)
+            load_w, load_x = MX._loads()
             self.kernel(x, codes, scales, slots, order, starts, counts, weights, out, load_w, load_x).launch(
                 grid=[cute.size(slots), self.ctas, 1], block=[self.groups * 128, 1, 1],
                 smem=smem_bytes(self.tiles, self.K), stream=stream, use_pdl=self.pdl)

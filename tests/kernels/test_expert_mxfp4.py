@@ -28,6 +28,38 @@ def _checkpoint(E, N, K, seed=0, lo=100, hi=129, device="cpu"):
     return codes, scales
 
 
+def _routed(T, k, E, L, I):
+    """Random K3-like routing (local, other ranks' and padding ids) and MXFP4 experts on the
+    GPU: (latent, weights, ids, checkpoint (q13, s13, q2, s2), MMA layout (c13, t13, c2, t2))."""
+    g = torch.Generator().manual_seed(T * k)
+    ids = torch.randint(-1, 2 * E, (T, k), generator=g).int().cuda()
+    latent = torch.randn(T, L, generator=g).to(torch.bfloat16).cuda()
+    weights = torch.rand(T, k, generator=g).cuda()
+    return (latent, weights, ids) + _experts(E, L, I, 1, 115, 125)
+
+
+def _hot():
+    """One hot expert (80 pairs: several passes), padding and remote ids, small shapes."""
+    E, L, I, T = 4, 512, 256, 80
+    ids = torch.tensor([[1, E + 1]] * T)
+    ids[::7, 1] = 0
+    ids[3] = -1
+    return (torch.randn(T, L).to(torch.bfloat16).cuda(), torch.rand(T, 2).cuda(), ids.int().cuda()) + \
+        _experts(E, L, I, 3, 118, 126)
+
+
+def _experts(E, L, I, seed, lo, hi):
+    q13, s13 = _checkpoint(E, 2 * I, L, seed=seed, lo=lo, hi=hi, device="cuda")
+    q2, s2 = _checkpoint(E, L, I, seed=seed + 1, lo=118, hi=126, device="cuda")
+    return (q13, s13, q2, s2), MX.mma_layout(q13, s13, True) + MX.mma_layout(q2, s2, False)
+
+
+def _close(got, other, what=""):
+    err = (got - other).norm(dim=1) / other.norm(dim=1).clamp_min(1e-6)
+    assert err.max() < 1e-2, f"{what}row relative error {err.max():.2e}"
+    assert ((got - other).abs() <= 2**-5 * other.abs().amax(1, keepdim=True) + 1e-6).all()
+
+
 def _kernel_read(codes, scales, gate_up):
     """The weights as the kernel reads the MMA layout: each lane's words through the
     upcast's integer ops, its scale word from lane (g, chunk % 4), placed at the MMA
@@ -97,20 +129,12 @@ def test_compiles_for_sm90a(gate_up, tiles):
 @pytest.mark.parametrize("E, L, I", [(8, 3584, 3072), (5, 512, 256)])
 @pytest.mark.parametrize("T, k", [(1, 16), (8, 16), (64, 16), (5, 3)])
 def test_mma_grouped_matches_the_stock_loop(T, k, E, L, I):
-    g = torch.Generator().manual_seed(T * k)
-    ids = torch.randint(-1, 2 * E, (T, k), generator=g).int().cuda()  # local, other ranks', padding
-    latent = torch.randn(T, L, generator=g).to(torch.bfloat16).cuda()
-    weights = torch.rand(T, k, generator=g).cuda()
-    q13, s13 = _checkpoint(E, 2 * I, L, seed=1, lo=115, hi=125, device="cuda")
-    q2, s2 = _checkpoint(E, L, I, seed=2, lo=118, hi=126, device="cuda")
-    (c13, t13), (c2, t2) = MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False)
+    latent, weights, ids, (q13, s13, q2, s2), (c13, t13, c2, t2) = _routed(T, k, E, L, I)
     got = torch.ops.kimi_kernels.expert_ffn(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)  # its 5-D layout
     want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     triton = X.grouped(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     for other in (want, triton):
-        err = (got - other).norm(dim=1) / other.norm(dim=1).clamp_min(1e-6)
-        assert err.max() < 1e-2, f"row relative error {err.max():.2e}"
-        assert ((got - other).abs() <= 2**-5 * other.abs().amax(1, keepdim=True) + 1e-6).all()
+        _close(got, other)
     assert (got[(ids < 0).all(1)] == 0).all()
 
 
@@ -118,23 +142,13 @@ def test_mma_grouped_matches_the_stock_loop(T, k, E, L, I):
 @on_gpu
 @needs_cute
 def test_mma_grouped_hot_expert_takes_several_passes():
-    E, L, I, T = 4, 512, 256, 80
-    ids = torch.tensor([[1, E + 1]] * T)
-    ids[::7, 1] = 0
-    ids[3] = -1
-    ids = ids.int().cuda()
-    latent = torch.randn(T, L).to(torch.bfloat16).cuda()
-    weights = torch.rand(T, 2).cuda()
-    q13, s13 = _checkpoint(E, 2 * I, L, seed=3, lo=118, hi=126, device="cuda")
-    q2, s2 = _checkpoint(E, L, I, seed=4, lo=118, hi=126, device="cuda")
-    (c13, t13), (c2, t2) = MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False)
+    latent, weights, ids, (q13, s13, q2, s2), (c13, t13, c2, t2) = _hot()
     want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     one = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=1)
     for tiles in (1, 2, 4):
         for rb in (1, 2):
             got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, rb=rb)
-            err = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
-            assert err.max() < 1e-2, f"{tiles} tiles, {rb} blocks per warp: row relative error {err.max():.2e}"
+            _close(got, want, f"{tiles} tiles, {rb} blocks per warp: ")
             assert torch.equal(got, one)  # every output's dot in the same order
 
 
@@ -191,21 +205,13 @@ def test_wgmma_ctas_fill_the_waves():
 @pytest.mark.parametrize("E, L, I", [(8, 3584, 3072), (5, 512, 256)])
 @pytest.mark.parametrize("T, k", [(1, 16), (8, 16), (64, 16), (5, 3)])
 def test_wgmma_matches_the_stock_loop(T, k, E, L, I):
-    g = torch.Generator().manual_seed(T * k)
-    ids = torch.randint(-1, 2 * E, (T, k), generator=g).int().cuda()
-    latent = torch.randn(T, L, generator=g).to(torch.bfloat16).cuda()
-    weights = torch.rand(T, k, generator=g).cuda()
-    q13, s13 = _checkpoint(E, 2 * I, L, seed=1, lo=115, hi=125, device="cuda")
-    q2, s2 = _checkpoint(E, L, I, seed=2, lo=118, hi=126, device="cuda")
-    (c13, t13), (c2, t2) = MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False)
+    latent, weights, ids, (q13, s13, q2, s2), (c13, t13, c2, t2) = _routed(T, k, E, L, I)
     want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     mma = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)
     for tiles in (1, 2, 4):
         got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=(2, 0))
         for other in (want, mma):
-            err = (got - other).norm(dim=1) / other.norm(dim=1).clamp_min(1e-6)
-            assert err.max() < 1e-2, f"{tiles} tiles: row relative error {err.max():.2e}"
-            assert ((got - other).abs() <= 2**-5 * other.abs().amax(1, keepdim=True) + 1e-6).all()
+            _close(got, other, f"{tiles} tiles: ")
         assert (got[(ids < 0).all(1)] == 0).all()
 
 
@@ -213,19 +219,9 @@ def test_wgmma_matches_the_stock_loop(T, k, E, L, I):
 @on_gpu
 @needs_cute
 def test_wgmma_hot_expert_takes_several_passes():
-    E, L, I, T = 4, 512, 256, 80
-    ids = torch.tensor([[1, E + 1]] * T)
-    ids[::7, 1] = 0
-    ids[3] = -1
-    ids = ids.int().cuda()
-    latent = torch.randn(T, L).to(torch.bfloat16).cuda()
-    weights = torch.rand(T, 2).cuda()
-    q13, s13 = _checkpoint(E, 2 * I, L, seed=3, lo=118, hi=126, device="cuda")
-    q2, s2 = _checkpoint(E, L, I, seed=4, lo=118, hi=126, device="cuda")
-    (c13, t13), (c2, t2) = MX.mma_layout(q13, s13, True), MX.mma_layout(q2, s2, False)
+    latent, weights, ids, (q13, s13, q2, s2), (c13, t13, c2, t2) = _hot()
     want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     for tiles in (1, 2):
         for wgmma in ((1, 1), (2, 2), (4, 0)):
             got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=wgmma)
-            err = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
-            assert err.max() < 1e-2, f"{tiles} tiles, {wgmma}: row relative error {err.max():.2e}"
+            _close(got, want, f"{tiles} tiles, {wgmma}: ")
