@@ -4,7 +4,7 @@ MXFP4 codes and scales in the kernel's layout, each point in a CUDA graph:
 * the op (``expert_ffn.mma_grouped``) over n8 tiles of pairs per pass x 16-row blocks
   per warp x warps per CTA, each checked bitwise against one tile and one block;
 * with ``--wgmma``, the op on the warpgroup-MMA kernel (kernels/expert_mxfp4_wgmma.py)
-  over tiles x warpgroups per CTA (CTAs per expert: ``ctas_for``), its row error
+  over tiles x warpgroups per CTA x blocks per step (CTAs per expert: ``ctas_for``), its row error
   against the default;
 * its parts at the default choice, each alone: the pair grouping, the up projection,
   the down projection (with the floor of their own weight bytes) and the combine.
@@ -93,12 +93,11 @@ def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, mma_
         if wgmma:  # the warpgroup-MMA kernel: relative error against the default, time
             want = op()
             for tiles in (1, 2, 4) if rows > 1 else (1,):
-                for groups in (1, 2, 4):
-                    key = f"wgmma_t{tiles}_g{groups}"
-                    err = (op(tiles=tiles, wgmma=(groups, 0)) - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
+                for shape in ((1, 0), (2, 0), (4, 0), (2, 0, 2), (3, 0, 2)):
+                    key = f"wgmma_t{tiles}_g{shape[0]}_s{(*shape, 1)[2]}"
+                    err = (op(tiles=tiles, wgmma=shape) - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
                     row[key + "_err"] = float(err.max())
-                    row[key + "_us"] = graph_time_us(lambda i: op(tiles=tiles, wgmma=(groups, 0)), calls=10,
-                                                     replays=7)
+                    row[key + "_us"] = graph_time_us(lambda i: op(tiles=tiles, wgmma=shape), calls=10, replays=7)
         row.update(parts_us(lat, w, ids, c13, t13, c2, t2))
         res.add(**row)
 

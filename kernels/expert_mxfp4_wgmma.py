@@ -26,8 +26,10 @@ MMAs read them from there through a matrix descriptor, for every weight row the 
   at K = 3584, one / two tiles), then each warpgroup runs its groups' K loops: per 64-
   element chunk the four MMAs' A registers upcast, ``wgmma.fence``, four MMAs on one
   accumulator, commit, wait for all but this chunk's group (so the upcast of the next
-  chunk overlaps these MMAs); the codes of the next 256-element block (across groups and
-  passes) load while this one multiplies, the first before the PDL wait (down).
+  chunk overlaps these MMAs); the codes of the next step (``span`` 256-element blocks;
+  across groups and passes) load while this one multiplies, the first before the PDL
+  wait (down). Two blocks per step double the bytes in flight per warp (ptxas: 155
+  registers against 86 at two tiles, so at most three warpgroups).
 * Accumulators: warp w, n8 tile t: d[4 t + (0, 1)] rows g, d[4 t + (2, 3)] rows g + 8,
   pairs 8 t + 2 q + (0, 1): ``mma.sync``'s per tile, so ``Mxfp4Experts.epilogue`` writes
   them. Every output is the same fp32 sum of bf16 products in the same k16 order as the
@@ -55,7 +57,7 @@ except ImportError:  # the `cute` extra is not installed
 
 ROWS = 64  # weight rows per warpgroup MMA (m64)
 CORE = 128  # bytes of one 8 x 16-byte core matrix
-REGS = 96  # registers per thread (ptxas: 86 at two tiles), for the occupancy in ``ctas_for``
+REGS = 96  # registers per thread (ptxas: 86 at two tiles, one block per step), for ``ctas_for``
 
 
 def b_word(u, kk, nn, r, qq, tiles: int):
@@ -123,9 +125,9 @@ if cutlass is not None:
         projection's reduction length."""
 
         def __init__(self, gate_up: bool, top_k: int, tiles: int, groups: int, ctas: int, K: int, beta: float,
-                     linear_beta: float, pdl: bool):
+                     linear_beta: float, pdl: bool, span: int = 1):
             super().__init__(gate_up, top_k, tiles, 4 * groups, beta, linear_beta, pdl)
-            self.groups, self.ctas, self.K = groups, ctas, K
+            self.groups, self.ctas, self.K, self.span = groups, ctas, K, span
 
         @cute.jit
         def __call__(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
@@ -142,6 +144,7 @@ if cutlass is not None:
                    out: cute.Tensor, load_w: cute.CopyAtom, load_x: cute.CopyAtom):
             """As ``Mxfp4Experts.kernel``; grid (slot, CTA of the expert)."""
             NT: cutlass.Constexpr = self.tiles
+            S: cutlass.Constexpr = self.span
             early: cutlass.Constexpr = self.pdl and not self.gate_up
             slot, cy, _ = cute.arch.block_idx()
             warp = cute.arch.warp_idx()
@@ -165,23 +168,24 @@ if cutlass is not None:
                 count = counts[e]
             start = starts[e % E]
             n_groups = cute.size(codes, mode=[1]) // 4
-            blocks_k = cute.size(scales, mode=[2])
+            steps = cute.size(scales, mode=[2]) // S
             first = cy + self.ctas * wg  # this warpgroup's groups: first, first + step, ..
             step = self.ctas * self.groups
             mine = first < n_groups and count > 0
             xv = cute.logical_divide(x, (None, 4))  # [row, (4 words, K / 8)]
-            cur = cute.make_rmem_tensor(cute.make_layout(16), Int32)  # 4 chunks x 4 words
-            nxt = cute.make_rmem_tensor(cute.make_layout(16), Int32)
-            sw = cute.make_rmem_tensor(cute.make_layout(1), Int32)
-            sw_next = cute.make_rmem_tensor(cute.make_layout(1), Int32)
+            cur = cute.make_rmem_tensor(cute.make_layout(16 * S), Int32)  # S blocks x 4 chunks x 4 words
+            nxt = cute.make_rmem_tensor(cute.make_layout(16 * S), Int32)
+            sw = cute.make_rmem_tensor(cute.make_layout(S), Int32)
+            sw_next = cute.make_rmem_tensor(cute.make_layout(S), Int32)
             xr = cute.make_rmem_tensor(cute.make_layout(4), Int32)
             acc = cute.make_rmem_tensor(cute.make_layout((1, NT, 4), stride=(4 * NT, 4, 1)), Float32)
             ce, se = MX._expert(codes, e % E), MX._expert(scales, e % E)
             sw.fill(0)
-            if mine:  # the first block's codes (before the wait: the weights do not depend on x)
-                for c in cutlass.range_constexpr(4):
+            if mine:  # the first step's codes (before the wait: the weights do not depend on x)
+                for c in cutlass.range_constexpr(4 * S):
                     cute.copy(load_w, ce[4 * first + warp % 4, c, lane, None], MX._words(cur, c))
-                sw[0] = se[4 * first + warp % 4, 0, lane]
+                for i in cutlass.range_constexpr(S):
+                    sw[i] = se[4 * first + warp % 4, i, lane]
             if const_expr(early):
                 cute.arch.griddepcontrol_wait()
             for m0 in cutlass.range(0, count, 8 * NT, unroll=1):
@@ -192,22 +196,23 @@ if cutlass is not None:
                 for grp in cutlass.range(first, n_groups, step, unroll=1):
                     b = 4 * grp + warp % 4
                     acc.fill(0.0)
-                    for blk in cutlass.range(blocks_k, unroll=1):
+                    for st in cutlass.range(steps, unroll=1):
                         sw_next.store(sw.load())
-                        ahead, ahead_grp = blk + 1, grp  # the next block: of this group, the next, or the next pass's first
-                        if ahead == blocks_k:
+                        ahead, ahead_grp = st + 1, grp  # the next step: of this group, the next, or the next pass's first
+                        if ahead == steps:
                             ahead, ahead_grp = Int32(0), grp + step
                             if ahead_grp >= n_groups:
                                 ahead_grp = first
                                 if m0 + 8 * NT >= count:
                                     ahead_grp = n_groups
                         if ahead_grp < n_groups:
-                            for c in cutlass.range_constexpr(4):
-                                cute.copy(load_w, ce[4 * ahead_grp + warp % 4, 4 * ahead + c, lane, None],
+                            for c in cutlass.range_constexpr(4 * S):
+                                cute.copy(load_w, ce[4 * ahead_grp + warp % 4, 4 * S * ahead + c, lane, None],
                                           MX._words(nxt, c))
-                            sw_next[0] = se[4 * ahead_grp + warp % 4, ahead, lane]
-                        for c in cutlass.range_constexpr(4):
-                            sc = cute.arch.shuffle_sync(sw[0], offset=g * 4 + c)
+                            for i in cutlass.range_constexpr(S):
+                                sw_next[i] = se[4 * ahead_grp + warp % 4, S * ahead + i, lane]
+                        for c in cutlass.range_constexpr(4 * S):  # chunk c % 4 of the step's block c // 4
+                            sc = cute.arch.shuffle_sync(sw[c // 4], offset=g * 4 + c % 4)
                             a = []
                             for half in cutlass.range_constexpr(2):
                                 f_lo, f_hi = MX._scale_bf16x2(sc, 2 * half), MX._scale_bf16x2(sc, 2 * half + 1)
@@ -218,7 +223,7 @@ if cutlass is not None:
                             cute.nvgpu.warpgroup.fence()
                             for j in cutlass.range_constexpr(4):
                                 d = _wgmma([acc[0, t, v] for t in range(NT) for v in range(4)], a[j],
-                                           desc_lo0 + ((blk * 4 + c) * 4 + j) * unit, desc_hi)
+                                           desc_lo0 + ((st * 4 * S + c) * 4 + j) * unit, desc_hi)
                                 for t in cutlass.range_constexpr(NT):
                                     for v in cutlass.range_constexpr(4):
                                         acc[0, t, v] = d[4 * t + v]
@@ -254,23 +259,27 @@ if cutlass is not None:
 
 def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: int, top_k: int, tiles: int,
                        groups: int, ctas: int, beta: float, linear_beta: float, pdl: bool,
-                       x_stride: int | None = None, arch: str = ""):
+                       x_stride: int | None = None, arch: str = "", span: int = 1):
     """The executor of one projection, as ``expert_mxfp4.compile_projection``."""
     if why := supported(N):
         raise ValueError(why)
-    kernel = WgmmaExperts(gate_up, top_k, tiles, groups, ctas, K, beta, linear_beta, pdl)
+    if (K // MX.BLOCK_K) % span:
+        raise ValueError(f"K = {K}: {span} blocks of {MX.BLOCK_K} per step need K % {span * MX.BLOCK_K} == 0")
+    kernel = WgmmaExperts(gate_up, top_k, tiles, groups, ctas, K, beta, linear_beta, pdl, span)
     return MX.compile_kernel(kernel, gate_up, E, N, K, rows, pairs, x_stride, arch)
 
 
-def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, groups: int,
-               ctas: int, beta: float, linear_beta: float, pdl: bool, slots: int):
-    """The compiled kernel for these shapes, as ``expert_mxfp4.projection``; ``ctas`` 0:
-    ``ctas_for`` the ``slots`` grid rows."""
+def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, shape: tuple,
+               beta: float, linear_beta: float, pdl: bool, slots: int):
+    """The compiled kernel for these shapes, as ``expert_mxfp4.projection``; ``shape`` =
+    (warpgroups, CTAs per expert (0: ``ctas_for`` the ``slots`` grid rows)[, 256-element
+    blocks per step (codes loaded a step ahead), 1 by default])."""
     E, NB, KC = codes.shape[:3]
     K = MX.CHUNK * KC
+    groups, ctas, span = (*shape, 1)[:3]
     ctas = ctas or ctas_for(slots, NB // 4, groups, tiles, K, SMS)
-    key = ("wgmma", gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, groups, ctas, beta,
+    key = ("wgmma", gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, groups, ctas, span, beta,
            linear_beta, pdl, x.device.index)
     return MX.executor(key, lambda: compile_projection(gate_up, E, 16 * NB, K, x.shape[0], pairs, top_k, tiles,
                                                        groups, ctas, beta, linear_beta, pdl,
-                                                       x_stride=2 * x.stride(0)))
+                                                       x_stride=2 * x.stride(0), span=span))

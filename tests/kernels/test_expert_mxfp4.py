@@ -154,9 +154,10 @@ def test_mma_grouped_hot_expert_takes_several_passes():
 
 @needs_cute
 @pytest.mark.parametrize("gate_up, tiles", [(True, 1), (False, 1), (True, 2), (False, 2), (False, 4)])
-def test_wgmma_compiles_for_sm90a(gate_up, tiles):
+@pytest.mark.parametrize("span", [1, 2])
+def test_wgmma_compiles_for_sm90a(gate_up, tiles, span):
     N, K = (6144, 3584) if gate_up else (3584, 3072)
-    WG.compile_projection(gate_up, 112, N, K, 64, 1024, 16, tiles, 2, 7, 1.0, 1.0, True, arch="sm_90a")
+    WG.compile_projection(gate_up, 112, N, K, 64, 1024, 16, tiles, 2, 7, 1.0, 1.0, True, arch="sm_90a", span=span)
 
 
 @pytest.mark.parametrize("tiles", [1, 2, 4])
@@ -208,10 +209,11 @@ def test_wgmma_matches_the_stock_loop(T, k, E, L, I):
     latent, weights, ids, (q13, s13, q2, s2), (c13, t13, c2, t2) = _routed(T, k, E, L, I)
     want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
     mma = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)
-    for tiles in (1, 2, 4):
-        got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=(2, 0))
+    spans = ((2, 0), (3, 0, 2)) if I % 512 == 0 else ((2, 0),)  # two 256-blocks per step need K % 512 == 0
+    for tiles, shape in [(tiles, shape) for tiles in (1, 2, 4) for shape in spans]:
+        got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=shape)
         for other in (want, mma):
-            _close(got, other, f"{tiles} tiles: ")
+            _close(got, other, f"{tiles} tiles, {shape}: ")
         assert (got[(ids < 0).all(1)] == 0).all()
 
 
