@@ -57,7 +57,7 @@ except ImportError:  # the `cute` extra is not installed
 
 ROWS = 64  # weight rows per warpgroup MMA (m64)
 CORE = 128  # bytes of one 8 x 16-byte core matrix
-REGS = 96  # registers per thread (ptxas: 86 at two tiles, one block per step), for ``ctas_for``
+REGS = {1: 96, 2: 160}  # registers per thread by blocks per step (ptxas: 86 / 155 at two tiles)
 
 
 def b_word(u, kk, nn, r, qq, tiles: int):
@@ -86,13 +86,13 @@ def smem_bytes(tiles: int, K: int) -> int:
     return 16 * tiles * K
 
 
-def ctas_for(slots: int, groups_total: int, groups: int, tiles: int, K: int, sms: int) -> int:
+def ctas_for(slots: int, groups_total: int, groups: int, tiles: int, K: int, sms: int, span: int = 1) -> int:
     """CTAs per expert: the split with the fewest group steps, (waves of the ``slots``
     experts' CTAs) x (64-row groups per warpgroup), among those that leave each
     warpgroup at least four groups, so that a CTA's staging of x (115 KB at two tiles)
     stays under a quarter of the codes it reads (122 KB per group at K = 3584)."""
     per_sm = max(1, min((227 * 1024) // (smem_bytes(tiles, K) + 1024),  # shared memory
-                        65536 // (128 * groups * REGS)))  # registers
+                        65536 // (128 * groups * REGS[span])))  # registers
     best, best_cost = 1, None
     for c in range(1, max(1, groups_total // (4 * groups)) + 1):
         cost = -(-slots * c // (sms * per_sm)) * -(-groups_total // (c * groups))
@@ -277,7 +277,7 @@ def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, 
     E, NB, KC = codes.shape[:3]
     K = MX.CHUNK * KC
     groups, ctas, span = (*shape, 1)[:3]
-    ctas = ctas or ctas_for(slots, NB // 4, groups, tiles, K, SMS)
+    ctas = ctas or ctas_for(slots, NB // 4, groups, tiles, K, SMS, span)
     key = ("wgmma", gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, groups, ctas, span, beta,
            linear_beta, pdl, x.device.index)
     return MX.executor(key, lambda: compile_projection(gate_up, E, 16 * NB, K, x.shape[0], pairs, top_k, tiles,
