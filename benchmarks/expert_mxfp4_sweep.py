@@ -3,16 +3,12 @@ MXFP4 codes and scales in the kernel's layout, each point in a CUDA graph:
 
 * the op (``expert_ffn.mma_grouped``) over n8 tiles of pairs per pass x 16-row blocks
   per warp x warps per CTA, each checked bitwise against one tile and one block;
-* with ``--wgmma``, the op on the warpgroup-MMA kernel (kernels/expert_mxfp4_wgmma.py)
-  over tiles x warpgroups per CTA x blocks per step (CTAs per expert: ``ctas_for``), its row error
-  against the default;
 * its parts at the default choice, each alone: the pair grouping, the up projection,
   the down projection (with the floor of their own weight bytes) and the combine.
 
 At EP 8 shapes (112 local experts) and EP 1 (896), 1 / 8 / 32 / 64 rows, top-16.
 
-    python benchmarks/expert_mxfp4_sweep.py --json X [--experts 112 896] [--rows 1 8 32 64] [--wgmma]
-        [--no-mma-sweep]
+    python benchmarks/expert_mxfp4_sweep.py --json X [--experts 112 896] [--rows 1 8 32 64]
 """
 
 from __future__ import annotations
@@ -67,8 +63,7 @@ def parts_us(lat, w, ids, c13, t13, c2, t2) -> dict[str, float]:
     return out
 
 
-def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, mma_sweep: bool = True,
-          wgmma: bool = False) -> None:
+def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results) -> None:
     c13, t13, c2, t2 = experts(E)
     for rows in rows_list:
         ids, w = routing(rows, E, TOP_K, gen, "cuda")
@@ -82,7 +77,7 @@ def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, mma_
         def op(**kw):
             return X.mma_grouped(lat, w, ids, c13, c2, 4.0, 25.0, t13, t2, **kw)
         base = op(tiles=1, rb=1)
-        for tiles in ((1, 2, 4) if rows > 1 else (1,)) if mma_sweep else ():
+        for tiles in (1, 2, 4) if rows > 1 else (1,):
             for rb in (1, 2):
                 for warps in (2, 4, 8):
                     key = f"t{tiles}_rb{rb}_w{warps}"
@@ -90,14 +85,6 @@ def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, mma_
                     row[key + "_us"] = graph_time_us(lambda i: op(tiles=tiles, rb=rb, warps=warps), calls=10,
                                                      replays=7)
         row["default_us"] = graph_time_us(lambda i: op(), calls=10, replays=7)
-        if wgmma:  # the warpgroup-MMA kernel: relative error against the default, time
-            want = op()
-            for tiles in (1, 2, 4) if rows > 1 else (1,):
-                for shape in ((1, 0), (2, 0), (4, 0), (2, 0, 2), (3, 0, 2)):
-                    key = f"wgmma_t{tiles}_g{shape[0]}_s{(*shape, 1)[2]}"
-                    err = (op(tiles=tiles, wgmma=shape) - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
-                    row[key + "_err"] = float(err.max())
-                    row[key + "_us"] = graph_time_us(lambda i: op(tiles=tiles, wgmma=shape), calls=10, replays=7)
         row.update(parts_us(lat, w, ids, c13, t13, c2, t2))
         res.add(**row)
 
@@ -106,14 +93,12 @@ def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--experts", type=int, nargs="+", default=[112, 896])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--wgmma", action="store_true", help="also the warpgroup-MMA kernel over tiles x warpgroups")
-    p.add_argument("--no-mma-sweep", action="store_true", help="skip the mma.sync kernel's tile sweep")
     p.add_argument("--json")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     res = Results("expert_mxfp4_sweep")
     for E in args.experts:
-        sweep(E, args.rows, gen, res, not args.no_mma_sweep, args.wgmma)
+        sweep(E, args.rows, gen, res)
         torch.cuda.empty_cache()
     if args.json:
         res.dump(args.json)

@@ -468,14 +468,12 @@ def expert_slots(counts: Tensor, slots: int) -> Tensor:
 
 def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
                 linear_beta: float, w13_scale: Tensor, w2_scale: Tensor, tiles: int | None = None,
-                warps: int = 4, rb: int | None = None, wgmma: tuple[int, ...] | None = None) -> Tensor:
+                warps: int = 4, rb: int | None = None) -> Tensor:
     """The SM90 CuTe DSL kernels for MXFP4 experts in their MMA layout
     (``expert_mxfp4.mma_layout``: w13 [E, 2 I / 16, L / 64, 32, 16] uint8, ...): the pairs
     grouped by expert as ``grouped``, the up and down projections one warp per 16 weight
-    rows, then ``_combine_kernel``. ``wgmma`` = (warpgroups, CTAs per expert[, blocks per
-    step]; ``expert_mxfp4_wgmma.projection``) runs both projections on warpgroup MMAs instead."""
+    rows, then ``_combine_kernel``."""
     from . import expert_mxfp4 as MX
-    from . import expert_mxfp4_wgmma as WG
 
     T, top_k = topk_ids.shape
     E, n_pairs = w13.shape[0], T * top_k
@@ -490,13 +488,9 @@ def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Ten
         latent = latent.contiguous()
     for gate_up, x, w, s, out in ((True, latent, w13, w13_scale, h), (False, h, w2, w2_scale, y)):
         x32, w32, s32 = x.view(torch.int32), w.view(torch.int32), s.view(torch.int32).squeeze(-1)
-        if wgmma:
-            run = WG.projection(gate_up, x32, w32, n_pairs, top_k, tiles, wgmma, beta, linear_beta, on,
-                                slots.numel())
-        else:
-            run = MX.projection(gate_up, x32, w32, n_pairs, top_k, tiles, warps, beta, linear_beta, on,
-                                rb or MX.blocks_per_warp(tiles, w.shape[1]))
-        run(x32, w32, s32, slots, order, starts, counts, weights, out)
+        blocks = rb or MX.blocks_per_warp(tiles, w.shape[1])
+        MX.projection(gate_up, x32, w32, n_pairs, top_k, tiles, warps, beta, linear_beta, on, blocks)(
+            x32, w32, s32, slots, order, starts, counts, weights, out)
     out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
     block = 512
     _combine_kernel[(T, triton.cdiv(L, block))](y, position, out, L, TOP_K=top_k, BLOCK=block, **pdl(latent.device))

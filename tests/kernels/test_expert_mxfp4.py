@@ -12,7 +12,6 @@ import torch
 import kimi_inductor.kernels  # noqa: F401
 from kimi_inductor.kernels import expert_ffn as X
 from kimi_inductor.kernels import expert_mxfp4 as MX
-from kimi_inductor.kernels import expert_mxfp4_wgmma as WG
 from kimi_inductor.kernels.skinny_gemm import cute_available
 from kimi_inductor.stock.mxfp4 import dequantize_experts
 
@@ -150,80 +149,3 @@ def test_mma_grouped_hot_expert_takes_several_passes():
             got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, rb=rb)
             _close(got, want, f"{tiles} tiles, {rb} blocks per warp: ")
             assert torch.equal(got, one)  # every output's dot in the same order
-
-
-@needs_cute
-@pytest.mark.parametrize("gate_up, tiles", [(True, 1), (False, 1), (True, 2), (False, 2), (False, 4)])
-@pytest.mark.parametrize("span", [1, 2])
-def test_wgmma_compiles_for_sm90a(gate_up, tiles, span):
-    N, K = (6144, 3584) if gate_up else (3584, 3072)
-    WG.compile_projection(gate_up, 112, N, K, 64, 1024, 16, tiles, 2, 7, 1.0, 1.0, True, arch="sm_90a", span=span)
-
-
-@pytest.mark.parametrize("tiles", [1, 2, 4])
-def test_wgmma_b_operand_is_x_in_the_fragments_k_order(tiles):
-    """x staged as ``WgmmaExperts.stage`` does, read back as the MMA reads its descriptor
-    (no swizzle, K-major: core matrix (kk, nn) at LBO kk + SBO nn, pair row r at 16 r,
-    logical k 8 kk + 2 q + h at byte 4 q + 2 h), is x at the A fragments' K element."""
-    K = 512
-    words = torch.full((WG.smem_bytes(tiles, K) // 4,), -1, dtype=torch.long)  # smem word -> x word (row * K / 2 + word)
-    for t in range(tiles * K // 32):  # warp tasks, lanes (r, qq)
-        nn, vq = t % tiles, t // tiles
-        for r in range(8):
-            for qq in range(4):
-                v = 4 * vq + qq
-                for w in range(4):
-                    words[WG.b_word(2 * vq + w // 2, w % 2, nn, r, qq, tiles)] = (8 * nn + r) * (K // 2) + 4 * v + w
-    assert (words >= 0).all()
-    for u in range(K // 16):
-        c, j = divmod(u, 4)
-        for n in range(8 * tiles):
-            for k in range(16):
-                kk, q, h = k // 8, (k % 8) // 2, k % 2
-                byte = 4 * WG.b_word(u, 0, 0, 0, 0, tiles) + WG.lbo(tiles) * kk + WG.sbo(tiles) * (n // 8) \
-                    + 16 * (n % 8) + 4 * q
-                element = 2 * int(words[byte // 4]) + h
-                want = MX.CHUNK * c + 32 * (j >> 1) + 8 * q + 4 * (j & 1) + 2 * kk + h
-                assert element == n * K + want
-
-
-def test_wgmma_refuses_rows_off_its_m64():
-    assert WG.supported(6144) == "" and "N % 64" in WG.supported(6160)
-    with pytest.raises(ValueError, match="N % 64"):
-        WG.compile_projection(True, 2, 6160, 512, 1, 16, 16, 1, 1, 1, 1.0, 1.0, False)
-
-
-def test_wgmma_ctas_fill_the_waves():
-    # EP 8 at 64 rows: 112 experts, 96 groups of gate_up, two warpgroups, one CTA per SM at two tiles
-    c = WG.ctas_for(112, 96, 2, 2, 3584, 132)
-    waves = -(-112 * c // 132)
-    assert 96 // (c * 2) >= 4 and waves * -(-96 // (2 * c)) <= 1.05 * 112 * 96 / (132 * 2)
-
-
-@pytest.mark.gpu
-@on_gpu
-@needs_cute
-@pytest.mark.parametrize("E, L, I", [(8, 3584, 3072), (5, 512, 256)])
-@pytest.mark.parametrize("T, k", [(1, 16), (8, 16), (64, 16), (5, 3)])
-def test_wgmma_matches_the_stock_loop(T, k, E, L, I):
-    latent, weights, ids, (q13, s13, q2, s2), (c13, t13, c2, t2) = _routed(T, k, E, L, I)
-    want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
-    mma = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2)
-    spans = ((2, 0), (3, 0, 2)) if I % 512 == 0 else ((2, 0),)  # two 256-blocks per step need K % 512 == 0
-    for tiles, shape in [(tiles, shape) for tiles in (1, 2, 4) for shape in spans]:
-        got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=shape)
-        for other in (want, mma):
-            _close(got, other, f"{tiles} tiles, {shape}: ")
-        assert (got[(ids < 0).all(1)] == 0).all()
-
-
-@pytest.mark.gpu
-@on_gpu
-@needs_cute
-def test_wgmma_hot_expert_takes_several_passes():
-    latent, weights, ids, (q13, s13, q2, s2), (c13, t13, c2, t2) = _hot()
-    want = X.reference(latent, weights, ids, q13, q2, 4.0, 25.0, s13, s2)
-    for tiles in (1, 2):
-        for wgmma in ((1, 1), (2, 2), (4, 0)):
-            got = X.mma_grouped(latent, weights, ids, c13, c2, 4.0, 25.0, t13, t2, tiles=tiles, wgmma=wgmma)
-            _close(got, want, f"{tiles} tiles, {wgmma}: ")
