@@ -241,7 +241,10 @@ if cutlass is not None:
         def __call__(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
                      order: cute.Tensor, starts: cute.Tensor, counts: cute.Tensor, weights: cute.Tensor,
                      out: cute.Tensor, stream: CUstream):
-            load_w, load_x = _loads()
+            load_w = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                         load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+            load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
+                                         load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
             blocks = cute.size(codes, mode=[1])
             self.kernel(x, codes, scales, slots, order, starts, counts, weights, out, load_w, load_x).launch(
                 grid=[cute.size(slots), cute.ceil_div(blocks, self.warps * self.rb), 1], block=[self.warps * WARP, 1, 1],
@@ -352,14 +355,6 @@ if cutlass is not None:
                             out[start + m, 16 * b + 8 + g] = acc[r, nt, 2 + h].to(BFloat16).to(Float32) * w
 
     @cute.jit
-    def _loads() -> tuple:
-        """16-byte register loads: the codes (streaming: read once) and x (cached)."""
-        return (cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
-                                    load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING),
-                cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
-                                    load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS))
-
-    @cute.jit
     def _expert(t: cute.Tensor, e: Int32) -> cute.Tensor:
         """Expert e's slice of an [E, ...] weight tensor, offset in 64 bits (all experts'
         codes exceed 2^31 int32 words at 896 experts)."""
@@ -387,12 +382,6 @@ def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: 
     on torch's current stream): N weight rows (2 I for gate_up), K; x [rows, K] bf16 with
     row stride ``x_stride`` (K when None); ``arch`` (e.g. ``sm_90a``) compiles for that target."""
     kernel = Mxfp4Experts(gate_up, top_k, tiles, warps, beta, linear_beta, pdl, rb)
-    return compile_kernel(kernel, gate_up, E, N, K, rows, pairs, x_stride, arch)
-
-
-def compile_kernel(kernel, gate_up: bool, E: int, N: int, K: int, rows: int, pairs: int, x_stride: int | None,
-                   arch: str):
-    """``kernel`` (a projection's ``__call__``) compiled against fake tensors of these shapes."""
     out = (_fake(BFloat16, (pairs, N // 2)) if gate_up else _fake(Float32, (pairs, N)))
     x = make_fake_tensor(Int32, (rows, K // 2), ((x_stride or K) // 2, 1), assumed_align=16)
     args = (x, _fake(Int32, (E, N // 16, K // CHUNK, WARP, 4)), _fake(Int32, (E, N // 16, K // BLOCK_K, WARP)),
@@ -426,16 +415,6 @@ def blocks_per_warp(tiles: int, blocks: int) -> int:
 _executors: dict[tuple, object] = {}
 
 
-def executor(key: tuple, build):
-    """The executor cached under ``key``, ``build()`` on first use (outside CUDA-graph capture)."""
-    if key not in _executors:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"kimi_kernels.expert_ffn: no SM90 MXFP4 executor for {key} during CUDA-graph "
-                               "capture; warm up the step before capturing it")
-        _executors[key] = build()
-    return _executors[key]
-
-
 def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, warps: int,
                beta: float, linear_beta: float, pdl: bool, rb: int = 1):
     """The compiled kernel for these shapes (compiled on first use, outside CUDA-graph
@@ -443,6 +422,10 @@ def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, 
     E, NB, KC = codes.shape[:3]
     key = (gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, warps, beta, linear_beta, pdl,
            x.device.index, rb)
-    return executor(key, lambda: compile_projection(gate_up, E, 16 * NB, CHUNK * KC, x.shape[0], pairs, top_k,
-                                                    tiles, warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0),
-                                                    rb=rb))
+    if key not in _executors:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kimi_kernels.expert_ffn: no SM90 MXFP4 executor for {key} during CUDA-graph "
+                               "capture; warm up the step before capturing it")
+        _executors[key] = compile_projection(gate_up, E, 16 * NB, CHUNK * KC, x.shape[0], pairs, top_k, tiles,
+                                             warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0), rb=rb)
+    return _executors[key]
