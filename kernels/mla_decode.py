@@ -227,11 +227,13 @@ def row_block(rows: int) -> int:
 
 
 def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64, steps: int = 1) -> int:
-    """KV splits per (request, row group): enough programs for every SM, chunks of at
-    least ``steps`` BS positions (static sizes only: capturable). One step: at 4K
-    context and one request 128 splits took 9.3 us against 14.3 with chunks of 4 steps
-    (32 splits), the same at 8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json."""
-    return max(1, min(triton.cdiv(2 * SMS, requests * groups), triton.cdiv(capacity, steps * bs), most))
+    """KV splits per (request, row group): at most two programs per SM (one wave; a
+    rounded-up count left a partial second wave: 32 / 64 requests at 4K took 9 / 19 %
+    longer, docs/results/mla_layer_h100_v10*.json), chunks of at least ``steps`` BS
+    positions (static sizes only: capturable). One step: at 4K context and one request
+    128 splits took 9.3 us against 14.3 with chunks of 4 steps (32 splits), the same at
+    8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json."""
+    return max(1, min(2 * SMS // (requests * groups), triton.cdiv(capacity, steps * bs), most))
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):

@@ -80,7 +80,10 @@ def test_dcp_partials_match_stock(N, L, RD, block, per_req, rank, with_selection
 
 
 def test_splits_use_static_sizes_only():
-    assert M.splits(1, 1, 64 * 1024) == 64 and M.splits(64, 2, 4096) == 3 and M.splits(1, 1, 16) == 1
+    assert M.splits(1, 1, 64 * 1024) == 64 and M.splits(64, 2, 4096) == 2 and M.splits(1, 1, 16) == 1
+    for requests in (1, 2, 8, 32, 64, 100, 300):  # one wave of two programs per SM
+        n = M.splits(requests, 1, 4096)
+        assert n == 1 or requests * n <= 2 * M.SMS
     assert [M.row_block(n) for n in (1, 12, 24, 96)] == [16, 16, 32, 64]
 
 
