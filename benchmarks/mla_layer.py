@@ -11,6 +11,7 @@ the top-k latent rows, activations), inside CUDA graphs.
     python benchmarks/mla_layer.py --rows 1 8 32 64 --q 1 4 --context 4096 --json mla.json
     python benchmarks/mla_layer.py --kind dsa --rows 1 8 32 64 --q 1 --context 8192 --json dsa.json
     python benchmarks/mla_layer.py --rows 1 2 8 32 64 --q 1 --bmm-ab --json X  # per-head GEMMs: ours vs cuBLAS
+    python benchmarks/mla_layer.py --rows 8 32 --q 1 --capacity 32768 --json X  # a table sized like vLLM's
     python benchmarks/mla_layer.py --smoke [--kind dsa]   # CPU, tiny shapes: checks the script runs
 """
 
@@ -48,6 +49,9 @@ def main(argv=None) -> Results:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--q", type=int, nargs="+", default=[1, 4])
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--capacity", type=int, default=0,
+                   help="positions the block table holds per request (vLLM: max_model_len; default: --context); "
+                        "entries past the context name block 0")
     p.add_argument("--kind", choices=["mla", "dsa"], default="mla")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
@@ -65,6 +69,7 @@ def main(argv=None) -> Results:
     layer = (SparseLatentAttention if dsa else MultiHeadLatentAttention)(config, Parallel(), device="meta")
     index_dim = config.dsa_config["index_head_dim"] if dsa else 0
     block, context = (4, 16) if args.smoke else (64, args.context)
+    width = -(-max(args.capacity * (not args.smoke), context) // block)
     gen = torch.Generator().manual_seed(0)
     copies = [random_params(layer, gen, device) for _ in range(1 if args.smoke else args.copies)]
     weight_bytes = sum(t.numel() * t.element_size() for t in copies[0].values())
@@ -82,7 +87,9 @@ def main(argv=None) -> Results:
             R, per_req = rows // q, -(-context // block)
             torch._dynamo.reset()
             x = torch.randn(rows, config.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
-            table = (1 + torch.arange(R * per_req, dtype=torch.int32).view(R, per_req)).to(device)
+            table = torch.zeros(R, width, dtype=torch.int32)
+            table[:, :per_req] = 1 + torch.arange(R * per_req, dtype=torch.int32).view(R, per_req)
+            table = table.to(device)
             seq_lens = torch.full((R,), context, dtype=torch.int32, device=device)
             pos = torch.arange(context - q, context, device=device)
             slots = (table.long().gather(1, (pos // block).expand(R, q)) * block + pos % block).view(-1)
@@ -116,7 +123,7 @@ def main(argv=None) -> Results:
             read = min(context, config.dsa_config["index_topk"]) if dsa else context
             cache_bytes = R * (read * config.latent_row + context * index_dim) * 2
             fl = floor_us(weight_bytes + cache_bytes + 2 * rows * config.hidden_size * 2)
-            res.add(q=q, rows=rows, context=context, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
+            res.add(q=q, rows=rows, context=context, capacity=width * block, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
                     kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
             if args.bmm_ab:
                 t_cublas = graph_time_us(lambda i: kimi_cublas(copies[i % n], x, slots, table, seq_lens,

@@ -25,7 +25,9 @@ program per token stores [kv_c | k_pe] at its slot, in place of the cat and the 
 write stock's reference runs as separate ATen kernels.
 
 SPLITS is chosen on the host from static sizes only (request count, the block table's
-capacity), so the op is capturable in CUDA graphs. Rounding: P is rounded to bf16 for
+capacity), so the op is capturable in CUDA graphs; each program divides its request's
+own length (``seq_lens``) by SPLITS on the device, so a table sized for a long
+max_model_len (vLLM's) does not leave one split with a short request's whole context. Rounding: P is rounded to bf16 for
 the P V dot (tensor cores), as vLLM's Triton MLA does; scores, softmax and the
 accumulator are fp32 (stock's reference keeps P in fp32: the difference is below one
 bf16 rounding of the output). fp32 activations take fp32 dots with P unrounded.
@@ -80,7 +82,7 @@ if triton is not None:
     @triton.jit
     def _mla_split_kernel(qn_ptr, stride_qn_t, stride_qn_h, qp_ptr, stride_qp_t, stride_qp_h, cache_ptr,
                           table_ptr, stride_table, seq_ptr, sel_ptr, stride_sel, list_ptr, stride_list, count_ptr,
-                          acc_ptr, ml_ptr, N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
+                          acc_ptr, ml_ptr, N, Q, R_DIM, scale, dcp_rank, dcp_size,
                           L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
                           BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, HAS_LIST: tl.constexpr,
                           DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
@@ -105,6 +107,9 @@ if triton is not None:
         local_len = tl.maximum(seq - dcp_rank + dcp_size - 1, 0) // dcp_size  # this rank's positions < seq
         if HAS_LIST:  # the split's share of the request's listed positions
             local_len = tl.load(count_ptr + r)
+        # the request's own positions split evenly (whole BS steps): the table's width
+        # (vLLM sizes it for max_model_len) sets only how many splits there are
+        chunk = tl.cdiv(tl.cdiv(local_len, tl.num_programs(2)), BS) * BS
         start = split * chunk
         end = tl.minimum(start + chunk, local_len)
         m = tl.full([BM], float("-inf"), tl.float32)
@@ -230,7 +235,8 @@ def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 
     """KV splits per (request, row group): at most two programs per SM (one wave; a
     rounded-up count left a partial second wave: 32 / 64 requests at 4K took 9 / 19 %
     longer, docs/results/mla_layer_h100_v10*.json), chunks of at least ``steps`` BS
-    positions (static sizes only: capturable). One step: at 4K context and one request
+    positions of a full table (static sizes only: capturable; the kernel divides each
+    request's own length). One step: at 4K context and one request
     128 splits took 9.3 us against 14.3 with chunks of 4 steps (32 splits), the same at
     8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json."""
     return max(1, min(2 * SMS // (requests * groups), triton.cdiv(capacity, steps * bs), most))
@@ -258,7 +264,7 @@ def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
 def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
            listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
-           most_splits: int | None = None, num_stages: int = 2, steps: int = 1):
+           most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
@@ -274,7 +280,6 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     groups = triton.cdiv(Q * N, bm)
     capacity = listed[0].shape[1] if listed is not None else block_table.shape[1] * block
     n_split = splits(R, groups, capacity, bs, most_splits, steps)
-    chunk = triton.cdiv(triton.cdiv(capacity, n_split), bs) * bs
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
     ml = torch.empty(n_split, T * N, 2, dtype=torch.float32, device=ql_nope.device)
     out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)
@@ -287,10 +292,10 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     _mla_split_kernel[(R, groups, n_split)](
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache,
         block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0,
-        plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, chunk, scale, dcp_rank, dcp_size,
+        plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, scale, dcp_rank, dcp_size,
         L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
         HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
-        ROUND=ql_nope.dtype == torch.bfloat16, num_warps=max(4, bm // 4), num_stages=num_stages,
+        ROUND=ql_nope.dtype == torch.bfloat16, num_warps=num_warps or max(4, bm // 4), num_stages=num_stages,
         **launch)
     sp = triton.next_power_of_2(n_split)
     bl = min(L, max(16, 4096 // sp))  # [SP, BL] partials per program: 32 fp32 values a thread at 4 warps

@@ -17,10 +17,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(12, 512, 64, 64, 64)] if DEVICE == "cuda" else [(4, 32, 8, 4, 12)]
 
 
-def _case(R, q, N, L, RD, block, per_req, dtype, seed=0):
+def _case(R, q, N, L, RD, block, per_req, dtype, seed=0, longest=None):
+    """R requests (the last one padding) at random contexts up to ``longest`` (default:
+    the table's capacity, per_req blocks)."""
     g = torch.Generator().manual_seed(seed)
     capacity = per_req * block
-    seq = torch.randint(q, capacity + 1, (R,), generator=g).int()
+    seq = torch.randint(q, (longest or capacity) + 1, (R,), generator=g).int()
     seq[-1] = 0  # a padding request
     table = (1 + torch.arange(R * per_req)).view(R, per_req).int()
     table = table[:, torch.randperm(per_req, generator=g)]  # blocks out of order
@@ -49,6 +51,20 @@ def test_matches_stock(R, q, N, L, RD, block, per_req, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     bound = tol * want.float().abs().amax(-1, keepdim=True) + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all(), (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
+def test_wide_table_splits_each_request(N, L, RD, block, per_req):
+    """A table sized for a far longer max_model_len than the contexts (as vLLM's is):
+    each request's positions are split by its own length, down to one BS step each."""
+    R, q = 3, 1
+    args, scale = _case(R, q, N, L, RD, block, 8 * per_req, torch.bfloat16, seed=7, longest=per_req * block // 2)
+    n_split = M.splits(R, 1, 8 * per_req * block)
+    assert n_split * M.BS > int(args[-1].max()), "some splits must hold no positions of the request"
+    want = M.reference(*args, scale)
+    got = torch.ops.kimi_kernels.mla_decode(*[a.clone() for a in args], scale)
+    bound = 2**-6 * want.float().abs().amax(-1, keepdim=True) + 1e-6
+    assert ((got.float() - want.float()).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
