@@ -135,7 +135,9 @@ def test_insert_takes_views_as_vllm_hands_them():
     T, L, RD, block = 5, 32, 8, 4
     kv_a = torch.randn(T, L + RD + 16, generator=g).bfloat16().to(DEVICE)  # [kv_c | k_pe | more] rows
     kv_c, k_pe = kv_a[:, :L], kv_a[:, L:L + RD].unsqueeze(1)
-    slots = torch.tensor([3, 17, -1, 0, 9], device=DEVICE)
+    # no slot in block 0: stock's write_cache rewrites slot 0 for slot -1 (block 0 is
+    # never used), so a real write there would race with it on the GPU
+    slots = torch.tensor([5, 17, -1, 4, 9], device=DEVICE)
     cache = torch.randn(6, block, L + RD, generator=g).bfloat16().to(DEVICE)
     want = cache.clone()
     write_cache(want, slots, torch.cat([kv_c, k_pe[:, 0]], dim=-1))
