@@ -79,25 +79,28 @@ if triton is not None:
         dims = tl.arange(0, D)
         pos = p0 + tl.arange(0, BP)
         seq_len = tl.load(seq_lens_ptr + r)
-        live = pos < seq_len  # positions any query of this request may see
-        slot = tl.load(block_table_ptr + r * stride_bt + pos // BLOCK, mask=live, other=0).to(tl.int64)
-        keys = tl.load(cache_ptr + (slot * BLOCK + pos % BLOCK)[:, None] * D + dims[None, :], mask=live[:, None],
-                       other=0.0)  # [BP, D]
-        in_q = rows < Q * N
-        t_rows = (r * Q + rows // N).to(tl.int64)
-        q = tl.load(q_ptr + (t_rows * N + rows % N)[:, None] * D + dims[None, :], mask=in_q[:, None], other=0.0)
-        if DOT_F32:
-            logits = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-        else:
-            logits = tl.dot(q, tl.trans(keys))  # [QN, BP] fp32
-        w = tl.load(w_ptr + t_rows * N + rows % N, mask=in_q, other=0.0)
-        weighted = tl.maximum(logits, 0.0) * w[:, None]
-        scores = tl.sum(tl.reshape(weighted, (QN // N, N, BP)), 1)  # [QN // N, BP]: one row per query
         j = tl.arange(0, QN // N)
-        visible = pos[None, :] <= (seq_len - Q + j)[:, None]
-        scores = tl.where(visible, scores, float("-inf"))
-        tl.store(out_ptr + ((r * Q + j) * W)[:, None] + pos[None, :], scores,
-                 mask=(j < Q)[:, None] & (pos < W)[None, :])
+        out = out_ptr + ((r * Q + j) * W)[:, None] + pos[None, :]
+        out_mask = (j < Q)[:, None] & (pos < W)[None, :]
+        if p0 < seq_len:
+            live = pos < seq_len  # positions any query of this request may see
+            slot = tl.load(block_table_ptr + r * stride_bt + pos // BLOCK, mask=live, other=0).to(tl.int64)
+            keys = tl.load(cache_ptr + (slot * BLOCK + pos % BLOCK)[:, None] * D + dims[None, :],
+                           mask=live[:, None], other=0.0)  # [BP, D]
+            in_q = rows < Q * N
+            t_rows = (r * Q + rows // N).to(tl.int64)
+            q = tl.load(q_ptr + (t_rows * N + rows % N)[:, None] * D + dims[None, :], mask=in_q[:, None], other=0.0)
+            if DOT_F32:
+                logits = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+            else:
+                logits = tl.dot(q, tl.trans(keys))  # [QN, BP] fp32
+            w = tl.load(w_ptr + t_rows * N + rows % N, mask=in_q, other=0.0)
+            weighted = tl.maximum(logits, 0.0) * w[:, None]
+            scores = tl.sum(tl.reshape(weighted, (QN // N, N, BP)), 1)  # [QN // N, BP]: one row per query
+            visible = pos[None, :] <= (seq_len - Q + j)[:, None]
+            tl.store(out, tl.where(visible, scores, float("-inf")), mask=out_mask)
+        else:  # past the request's length (the table is as wide as max_model_len): nothing to read
+            tl.store(out, tl.full([QN // N, BP], float("-inf"), tl.float32), mask=out_mask)
 
     @triton.jit
     def _key(score):
@@ -202,11 +205,13 @@ if triton is not None:
         _write_mask(out_ptr + row.to(tl.int64) * W, idx, W, live, score, key, thresh, want, before)
 
     @triton.jit
-    def _positions_kernel(sel_ptr, pos_ptr, count_ptr, W, CAP, Q: tl.constexpr, BLOCK: tl.constexpr):
+    def _positions_kernel(sel_ptr, seq_lens_ptr, pos_ptr, count_ptr, W, CAP, Q: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         before = 0  # positions already listed
-        for start in range(0, W, BLOCK):
+        # no query selects a position at or past the request's length: the table's width
+        # (max_model_len) need not be scanned
+        for start in range(0, tl.minimum(tl.load(seq_lens_ptr + r), W), BLOCK):
             idx = start + offs
             live = idx < W
             chosen = tl.zeros([BLOCK], tl.int32)
@@ -266,17 +271,17 @@ def radix_select(scores: Tensor, seq_lens: Tensor, topk: int) -> Tensor:
     return out
 
 
-def positions(selected: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+def positions(selected: Tensor, seq_lens: Tensor, topk: int) -> tuple[Tensor, Tensor]:
     """The positions any query of a request selected, in position order: selected [R, q, W]
-    bool -> (positions [R, min(W, q topk)] int32, counts [R] int32); entries past a
-    request's count are unset. What the DSA core gathers instead of streaming every
-    position."""
+    bool (``select``'s: nothing at or past the request's ``seq_lens``) -> (positions
+    [R, min(W, q topk)] int32, counts [R] int32); entries past a request's count are unset.
+    What the DSA core gathers instead of streaming every position."""
     R, Q, W = selected.shape
     check_q(Q, "kimi_kernels DSA position lists")
     cap = min(W, Q * topk)
     pos = torch.empty(R, cap, dtype=torch.int32, device=selected.device)
     counts = torch.empty(R, dtype=torch.int32, device=selected.device)
-    _positions_kernel[(R,)](selected, pos, counts, W, cap, Q=Q, BLOCK=8192, num_warps=16)
+    _positions_kernel[(R,)](selected, seq_lens, pos, counts, W, cap, Q=Q, BLOCK=8192, num_warps=16)
     return pos, counts
 
 

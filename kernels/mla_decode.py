@@ -355,7 +355,7 @@ def dsa_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, index_
     insert(index_cache, slot_mapping, index_k)
     selected = dsa_index.dsa_select(index_q, index_w, index_cache, block_table, seq_lens, topk)
     return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, selected=selected.flatten(0, 1),
-                  listed=dsa_index.positions(selected, topk))
+                  listed=dsa_index.positions(selected, seq_lens, topk))
 
 
 dsa_decode.register_fake(_dsa_fake)
