@@ -24,11 +24,23 @@ def test_dsa_select_kernel_compiles_for_sm90(q):
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 def test_dsa_positions_kernel_compiles_for_sm90():
-    sig = {"sel_ptr": "*i1", "pos_ptr": "*i32", "count_ptr": "*i32", "W": "i32", "CAP": "i32",
+    sig = {"sel_ptr": "*i1", "seq_lens_ptr": "*i32", "pos_ptr": "*i32", "count_ptr": "*i32", "W": "i32", "CAP": "i32",
            "Q": "constexpr", "BLOCK": "constexpr"}
     src = ASTSource(dsa_index._positions_kernel, sig, constexprs={"Q": 4, "BLOCK": 8192})
     kernel = triton.compile(src, target=SM90, options={"num_warps": 16})
     assert ".target sm_90" in kernel.asm["ptx"]
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("q", [1, 4])
+def test_dsa_scores_kernel_compiles_for_sm90(q):
+    """K3.1's indexer (32 heads of 128): programs past the request's length only store."""
+    sig = {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "block_table_ptr": "*i32", "stride_bt": "i32",
+           "seq_lens_ptr": "*i32", "out_ptr": "*fp32", "W": "i32",
+           **{k: "constexpr" for k in ("Q", "N", "QN", "D", "BLOCK", "BP", "DOT_F32")}}
+    src = ASTSource(dsa_index._scores_kernel, sig, constexprs={"Q": q, "N": 32, "QN": 32 * q, "D": 128, "BLOCK": 64,
+                                                               "BP": dsa_index.BP, "DOT_F32": False})
+    assert ".target sm_90" in triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
@@ -200,3 +212,24 @@ def test_mla_cache_insert_and_combine_compile_for_sm90():
         src = ASTSource(mla_decode._combine_kernel, sig, constexprs={"L": 512, "BL": max(16, 4096 // sp), "SP": sp,
                                                                      "WITH_LSE": with_lse, "PDL": True})
         assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("has_list", [False, True])
+def test_mla_split_kernel_compiles_for_sm90(has_list):
+    """The split-KV core at K3's TP8 tile (16 rows, 32 positions a step), each program
+    sizing its chunk from its request's length, with PDL."""
+    from kimi_inductor.kernels import mla_decode
+
+    sig = {"qn_ptr": "*bf16", "stride_qn_t": "i32", "stride_qn_h": "i32", "qp_ptr": "*bf16", "stride_qp_t": "i32",
+           "stride_qp_h": "i32", "cache_ptr": "*bf16", "table_ptr": "*i32", "stride_table": "i32",
+           "seq_ptr": "*i32", "sel_ptr": "*i32", "stride_sel": "i32", "list_ptr": "*i32", "stride_list": "i32",
+           "count_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "N": "i32", "Q": "i32", "R_DIM": "i32",
+           "scale": "fp32", "dcp_rank": "i32", "dcp_size": "i32",
+           **{k: "constexpr" for k in ("L", "RP", "ROW", "BLOCK", "BM", "BS", "HAS_SEL", "HAS_LIST", "DOT_F32",
+                                       "ROUND", "PDL")}}
+    constexprs = {"L": 512, "RP": 64, "ROW": 576, "BLOCK": 64, "BM": 16, "BS": mla_decode.BS, "HAS_SEL": False,
+                  "HAS_LIST": has_list, "DOT_F32": False, "ROUND": True, "PDL": True}
+    src = ASTSource(mla_decode._mla_split_kernel, sig, constexprs=constexprs)
+    ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
