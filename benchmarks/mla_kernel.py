@@ -56,7 +56,8 @@ def main(argv=None) -> Results:
         qp = torch.randn(R, N, RD, device="cuda", generator=gen).bfloat16()
         row = dict(heads=N, context=context, requests=R, floor_us=floor_us(nbytes))
         for bs, most, stages, steps, warps in sweep:
-            key = f"bs{bs}_cap{most}_st{stages}" + (f"_steps{steps}" if steps != 1 else "") + (f"_w{warps}" if warps else "")
+            key = (f"bs{bs}_cap{most}_st{stages}" + (f"_steps{steps}" if steps != 1 else "")
+                   + (f"_w{warps}" if warps else ""))
             row[key + "_us"] = graph_time_us(
                 lambda i: M.attend(ql, qp, caches[i % copies], table, seq, 0.04, bs=bs, most_splits=most,
                                    num_stages=stages, steps=steps, num_warps=warps or None), calls=10, replays=5)

@@ -123,8 +123,8 @@ def main(argv=None) -> Results:
             read = min(context, config.dsa_config["index_topk"]) if dsa else context
             cache_bytes = R * (read * config.latent_row + context * index_dim) * 2
             fl = floor_us(weight_bytes + cache_bytes + 2 * rows * config.hidden_size * 2)
-            res.add(q=q, rows=rows, context=context, capacity=width * block, floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi,
-                    kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
+            res.add(q=q, rows=rows, context=context, capacity=width * block, floor_us=fl, inductor_us=t_stock,
+                    kimi_us=t_kimi, kimi_x_floor=t_kimi / fl, speedup=t_stock / t_kimi, rel_err=err)
             if args.bmm_ab:
                 t_cublas = graph_time_us(lambda i: kimi_cublas(copies[i % n], x, slots, table, seq_lens,
                                                                caches[i % n]))

@@ -27,10 +27,11 @@ write stock's reference runs as separate ATen kernels.
 SPLITS is chosen on the host from static sizes only (request count, the block table's
 capacity), so the op is capturable in CUDA graphs; each program divides its request's
 own length (``seq_lens``) by SPLITS on the device, so a table sized for a long
-max_model_len (vLLM's) does not leave one split with a short request's whole context. Rounding: P is rounded to bf16 for
-the P V dot (tensor cores), as vLLM's Triton MLA does; scores, softmax and the
-accumulator are fp32 (stock's reference keeps P in fp32: the difference is below one
-bf16 rounding of the output). fp32 activations take fp32 dots with P unrounded.
+max_model_len (vLLM's) does not leave one split with a short request's whole context.
+Rounding: P is rounded to bf16 for the P V dot (tensor cores), as vLLM's Triton MLA
+does; scores, softmax and the accumulator are fp32 (stock's reference keeps P in fp32:
+the difference is below one bf16 rounding of the output). fp32 activations take fp32
+dots with P unrounded.
 
 ``kimi_kernels::mla_decode_dcp`` is the same kernel for decode context parallelism
 (stock ``kimi::mla_decode_dcp``, ``stock/dcp.py``): this rank's cache holds every G-th
