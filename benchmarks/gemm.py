@@ -1,11 +1,12 @@
 """Decode GEMMs at TP8 per-rank shapes: our skinny GEMMs (CuTe DSL GEMV, Triton split-K)
 vs cuBLAS vs the byte floor, each in a CUDA graph.
 
-    python benchmarks/gemm.py --json gemm.json [--rows 1 2 4 8 16 32 64] [--sweep]
+    python benchmarks/gemm.py --json gemm.json [--rows 1 2 4 8 16 32 64] [--sweep] [--tiles]
 
 ``--sweep`` also times a few CuTe configurations around ``cute_gemv.config`` (outputs per
 warp x K split, and for 1-2 outputs per warp 4 or 8 warps x 2- or 4-deep unroll) and
-records the best; ``fastest`` is what ``skinny_gemm.FASTEST`` holds.
+records the best; ``fastest`` is what ``skinny_gemm.FASTEST`` holds. ``--tiles`` times the
+weight-wide Triton GEMM (``tl_dot.run_t``) over ``tile_configs`` (its best as ``tl_wide``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import sys
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us  # noqa: E402
@@ -59,16 +61,37 @@ def cute_configs(M, N, K, sweep):
     return [c for c in cands if not cute_gemv.supported(M, N, K, c)], base
 
 
+def tile_configs(M, N, K, top=()):
+    """``tl_dot.Tile`` candidates: BN 64 / 128, BK 128 / 256, 3 or 5 stages, 4 or 8 warps
+    at BN 128, the K split of ``config_t`` halved and doubled; with ``top`` (the best
+    configurations at another M) those and ``config_t`` only."""
+    base = tl_dot.config_t(M, N, K)
+    if top:
+        return list(dict.fromkeys([base, *top]))
+    cands = [base]
+    for bn in (64, 128):
+        tiles = -(-N // bn)
+        auto = max(1, min(-(-2 * tl_dot.SMS // tiles), 16))
+        for bk in (128, 256):
+            for split in {max(1, auto // 2), auto, min(2 * auto, K // (2 * bk))}:
+                for stages in (3, 5):
+                    for warps in ((4,) if bn == 64 else (4, 8)):
+                        cands.append(tl_dot.Tile(bn, bk, split, stages, warps))
+    return list(dict.fromkeys(c for c in cands if c.split >= 1))
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--tiles", action="store_true")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--json")
     args = p.parse_args(argv)
     res = Results("gemm")
     for name in args.shapes:
+        top = ()
         N, K, out_dtype = SHAPES[name]
         weights = [torch.randn(N, K, device="cuda").mul_(K**-0.5).to(torch.bfloat16) for _ in range(args.copies)]
         for M in args.rows:
@@ -98,7 +121,23 @@ def main(argv=None) -> Results:
                            cute_best_us=times[best], cute_best_cfg=list(best))
                 if args.sweep:
                     row["cute_sweep"] = {",".join(map(str, c)): t for c, t in sorted(times.items())}
-            impls = {k[:-3]: v for k, v in row.items() if k in ("cublas_us", "tl_dot_us", "cute_gemv_us")}
+            if args.tiles:
+                times = {}
+                for cfg in tile_configs(M, N, K, top):
+                    try:
+                        errs = [err(tl_dot.run_t(x, weights[0], None, out_dtype, cfg)) for _ in range(2)]
+                    except OutOfResources:  # BN x BK x stages past the shared memory
+                        continue
+                    row["tl_wide_err"] = max(row.get("tl_wide_err", 0.0), *errs)
+                    times[cfg] = graph_time_us(lambda i: tl_dot.run_t(x, weights[i % args.copies], None, out_dtype, cfg))
+                ranked = sorted(times, key=times.get)
+                top = top or ranked[:6]
+                row.update(tl_wide_us=times[ranked[0]], tl_wide_cfg=list(ranked[0]),
+                           tl_wide_auto_us=times[tl_dot.config_t(M, N, K)],
+                           tl_wide_sweep={",".join(map(str, c)): t for c, t in times.items()})
+                print(f"{name} M={M}: cublas {row['cublas_us']:.1f} tl_dot {row['tl_dot_us']:.1f} "
+                      f"wide {times[ranked[0]]:.1f} {tuple(ranked[0])} floor {fl:.1f}", flush=True)
+            impls = {k[:-3]: v for k, v in row.items() if k in ("cublas_us", "tl_dot_us", "cute_gemv_us", "tl_wide_us")}
             row["fastest"] = min(impls, key=impls.get)
             row["best_frac"] = fl / impls[row["fastest"]]
             res.add(**row)

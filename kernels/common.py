@@ -42,6 +42,23 @@ def pdl(device) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 arrival counters on ``device``, shared by the kernels
+    whose last program to arrive at a counter reduces the others' partials and resets it
+    to 0 (so they are zero between calls of kernels on one stream). Allocated on first
+    use, which must come before CUDA-graph capture."""
+    have = _counters.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kimi_kernels: run the step once before CUDA-graph capture (its kernels allocate "
+                               "their arrival counters on first use)")
+        have = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
+
+
 if triton is not None:
 
     @triton.jit

@@ -46,7 +46,7 @@ import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.state import check_q
 
-from .common import INTERPRET, pdl, pdl_wait, SMS, bf16_round, tl, triton
+from .common import INTERPRET, arrival_counters, bf16_round, pdl, pdl_wait, SMS, tl, triton
 
 NAMESPACE = "kimi_kernels"
 
@@ -259,21 +259,6 @@ def v_split(R: int, H: int) -> int:
     layer step: 53.5 vs 59.9 us, kda_layer_q4_h200_v5.json) and lose from 8 requests on;
     2 blocks never won."""
     return 4 if R * H * 4 <= 3 * SMS // 4 else 1
-
-
-_counters: dict[torch.device, Tensor] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> Tensor:
-    """Zeroed per-(request, head) counters of the V-split kernel; each head's last program
-    resets its own, so they stay zero between calls (allocated before graph capture)."""
-    have = _counters.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kimi_kernels.kda_decode: run the step once before CUDA-graph capture (it allocates "
-                               "its arrival counters on first use)")
-        have = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return have
 
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,

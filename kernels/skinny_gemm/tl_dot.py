@@ -12,10 +12,12 @@ kernels launch with programmatic dependent launch on SM90+ (``common.pdl``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from ..common import INTERPRET, SMS, bf16_round, pdl, pdl_wait, tl, triton
+from ..common import INTERPRET, SMS, arrival_counters, bf16_round, pdl, pdl_wait, tl, triton
 
 
 def config(M: int, N: int, K: int) -> dict[str, int]:
@@ -73,6 +75,55 @@ if triton is not None:
         if HAS_ACC:
             total += tl.load(acc_ptr + m * stride_acc + n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _mm_t_kernel(x_ptr, w_ptr, acc_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x, stride_w, stride_acc,
+                     stride_out, SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     REDUCE: tl.constexpr, HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        """Program (n tile, K chunk): out^T[BN, BM] = W[BN, chunk] x^T[chunk, BM], W as the dot's
+        wide operand (64 or 128 weight rows per MMA, the few x rows as its narrow side). With
+        SPLIT > 1 (REDUCE) each chunk's fp32 partial goes to ws[n tile, split] and the tile's
+        last program to arrive at cnt[n tile] sums them in split order (deterministic) and
+        writes."""
+        pdl_wait(PDL)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+        k_lo = pid_k * chunk
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BK):
+            rk = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
+                        other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+            if DOT_F32:
+                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        if REDUCE:
+            tile = ws_ptr + (pid_n * SPLIT * BN + tl.arange(0, BN)[:, None]) * BM + rm[None, :]
+            tl.store(tile + pid_k * BN * BM, acc)
+            tl.debug_barrier()  # every thread's partial is written before the arrival
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                tl.store(cnt_ptr + pid_n, 0)
+                acc = tl.load(tile, cache_modifier=".cg")
+                for s in range(1, SPLIT):
+                    acc += tl.load(tile + s * BN * BM, cache_modifier=".cg")
+                _store_t(acc, acc_ptr, out_ptr, rm, rn, M, N, stride_acc, stride_out, HAS_ACC)
+        else:
+            _store_t(acc, acc_ptr, out_ptr, rm, rn, M, N, stride_acc, stride_out, HAS_ACC)
+
+    @triton.jit
+    def _store_t(acc, acc_ptr, out_ptr, rm, rn, M, N, stride_acc, stride_out, HAS_ACC: tl.constexpr):
+        """out[m, n] = acc[n, m] (+ acc_ptr[m, n]), rounded once to out's dtype."""
+        mask = (rn[:, None] < N) & (rm[None, :] < M)
+        if HAS_ACC:
+            acc += tl.load(acc_ptr + rm[None, :] * stride_acc + rn[:, None], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _bmm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xb, stride_xm, stride_xk, stride_wb, stride_wk,
@@ -143,4 +194,39 @@ def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -
         block = 1024
         _split_sum_kernel[(triton.cdiv(M * N, block),)](ws, acc_arg, out, M, N, acc_arg.stride(0), out.stride(0),
                                                           SPLIT=split, BLOCK=block, HAS_ACC=acc is not None, **launch)
+    return out
+
+
+class Tile(NamedTuple):
+    """Launch of ``_mm_t_kernel``: BN weight rows x BK per step, K in SPLIT chunks."""
+    bn: int
+    bk: int
+    split: int
+    stages: int
+    warps: int
+
+
+def config_t(M: int, N: int, K: int) -> Tile:
+    """BN 64 (one warpgroup's MMA height), BK 128; K split until the tiles reach 2 waves."""
+    bn, bk = 64, 128
+    tiles = triton.cdiv(N, bn)
+    split = max(1, min(triton.cdiv(2 * SMS, tiles), triton.cdiv(K, 4 * bk), 16))
+    return Tile(bn, bk, split, 4, 4)
+
+
+def run_t(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype, cfg: Tile | None = None) -> Tensor:
+    """x [M, K] (unit K stride) times weight [N, K]^T (+ acc [M, N]) -> [M, N] ``out_dtype``."""
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = cfg or config_t(M, N, K)
+    bm = max(16, triton.next_power_of_2(M))
+    tiles = triton.cdiv(N, cfg.bn)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    ws = torch.empty(tiles * cfg.split * cfg.bn * bm, dtype=torch.float32, device=x.device) if cfg.split > 1 else out
+    cnt = arrival_counters(x.device, tiles) if cfg.split > 1 else out
+    acc_arg = acc if acc is not None else out
+    _mm_t_kernel[(tiles, cfg.split)](
+        x, weight, acc_arg, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0), out.stride(0),
+        cfg.split, BM=bm, BN=cfg.bn, BK=cfg.bk, REDUCE=cfg.split > 1, HAS_ACC=acc is not None, DOT_F32=dot_f32(x.dtype),
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl(x.device))
     return out
