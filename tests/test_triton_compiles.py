@@ -78,6 +78,29 @@ def test_split_k_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("M", [8, 64])
+def test_weight_wide_gemm_compiles_for_sm90_to_pipelined_wgmma(M):
+    """``tl_dot._mm_t_kernel`` at its default tiles: the weight is the 64-row side of
+    ``wgmma`` (n = the few x rows), its tiles stream through ``cp.async`` stages (with the
+    16-byte divisibility the launcher specialises K-strides to), launched with PDL."""
+    from kimi_inductor.kernels.skinny_gemm import tl_dot
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "acc_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
+           "stride_acc": "i32", "stride_out": "i32", "SPLIT": "i32",
+           **{k: "constexpr" for k in ("BM", "BN", "BK", "REDUCE", "HAS_ACC", "DOT_F32", "PDL")}}
+    aligned = ("x_ptr", "w_ptr", "acc_ptr", "out_ptr", "ws_ptr", "K", "stride_x", "stride_w", "stride_acc", "stride_out")
+    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    cfg = tl_dot.config_t(M, 3648, 7168)
+    constexprs = {"BM": max(16, M), "BN": cfg.bn, "BK": cfg.bk, "REDUCE": cfg.split > 1, "HAS_ACC": True,
+                  "DOT_F32": False, "PDL": True}
+    ptx = triton.compile(ASTSource(tl_dot._mm_t_kernel, sig, constexprs=constexprs, attrs=attrs), target=SM90,
+                         options={"num_warps": cfg.warps, "num_stages": cfg.stages}).asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{max(16, M)}k16" in ptx
+    assert "cp.async.cg" in ptx and "griddepcontrol.wait" in ptx and "atom.global.gpu.acq_rel.add" in ptx
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 @pytest.mark.parametrize("K, N, unit", [(128, 512, "stride_wn"), (512, 128, "stride_wk")])
 def test_per_head_gemm_compiles_for_sm90_with_pdl_and_strided_operands(K, N, unit):
     """MLA's absorption (W_UK N-contiguous) and v up-projection (W_UV^T K-contiguous): x a
