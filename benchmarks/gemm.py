@@ -62,8 +62,9 @@ def cute_configs(M, N, K, sweep):
 
 
 def tile_configs(M, N, K, top=()):
-    """``tl_dot.Tile`` candidates: BN 64 / 128, BK 128 / 256, 3 or 5 stages, 4 or 8 warps
-    at BN 128, the K split of ``config_t`` halved and doubled; with ``top`` (the best
+    """``tl_dot.Tile`` candidates: BN 64 / 128, BK 128 / 256, 3 or 5 stages, W through
+    pointers or TMA, 8 warps at BN 128, the K split that fills 2 waves halved and doubled;
+    with ``top`` (the best
     configurations at another M) those and ``config_t`` only."""
     base = tl_dot.config_t(M, N, K)
     if top:
@@ -75,8 +76,9 @@ def tile_configs(M, N, K, top=()):
         for bk in (128, 256):
             for split in {max(1, auto // 2), auto, min(2 * auto, K // (2 * bk))}:
                 for stages in (3, 5):
-                    for warps in ((4,) if bn == 64 else (4, 8)):
-                        cands.append(tl_dot.Tile(bn, bk, split, stages, warps))
+                    cands += [tl_dot.Tile(bn, bk, split, stages, 4, tma) for tma in (False, True)]
+                    if bn == 128:
+                        cands.append(tl_dot.Tile(bn, bk, split, stages, 8))
     return list(dict.fromkeys(c for c in cands if c.split >= 1))
 
 
@@ -142,8 +144,8 @@ def main(argv=None) -> Results:
             row["best_frac"] = fl / impls[row["fastest"]]
             res.add(**row)
         del weights
-    if args.json:
-        res.dump(args.json)
+        if args.json:  # after every shape: a sweep cut short keeps what it measured
+            res.dump(args.json)
     return res
 
 

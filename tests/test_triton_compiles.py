@@ -88,12 +88,12 @@ def test_weight_wide_gemm_compiles_for_sm90_to_pipelined_wgmma(M):
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "acc_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
            "stride_acc": "i32", "stride_out": "i32", "SPLIT": "i32",
-           **{k: "constexpr" for k in ("BM", "BN", "BK", "REDUCE", "HAS_ACC", "DOT_F32", "PDL")}}
+           **{k: "constexpr" for k in ("BM", "BN", "BK", "REDUCE", "HAS_ACC", "DOT_F32", "TMA", "PDL")}}
     aligned = ("x_ptr", "w_ptr", "acc_ptr", "out_ptr", "ws_ptr", "K", "stride_x", "stride_w", "stride_acc", "stride_out")
     attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
     cfg = tl_dot.config_t(M, 3648, 7168)
     constexprs = {"BM": max(16, M), "BN": cfg.bn, "BK": cfg.bk, "REDUCE": cfg.split > 1, "HAS_ACC": True,
-                  "DOT_F32": False, "PDL": True}
+                  "DOT_F32": False, "TMA": False, "PDL": True}
     ptx = triton.compile(ASTSource(tl_dot._mm_t_kernel, sig, constexprs=constexprs, attrs=attrs), target=SM90,
                          options={"num_warps": cfg.warps, "num_stages": cfg.stages}).asm["ptx"]
     assert f"wgmma.mma_async.sync.aligned.m64n{max(16, M)}k16" in ptx

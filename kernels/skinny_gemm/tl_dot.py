@@ -19,6 +19,9 @@ from torch import Tensor
 
 from ..common import INTERPRET, SMS, arrival_counters, bf16_round, pdl, pdl_wait, tl, triton
 
+if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
 
 def config(M: int, N: int, K: int) -> dict[str, int]:
     """Tile sizes: BN-column slabs, and a K split when the slabs alone are too few."""
@@ -79,7 +82,8 @@ if triton is not None:
     @triton.jit
     def _mm_t_kernel(x_ptr, w_ptr, acc_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x, stride_w, stride_acc,
                      stride_out, SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     REDUCE: tl.constexpr, HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                     REDUCE: tl.constexpr, HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
+                     PDL: tl.constexpr):
         """Program (n tile, K chunk): out^T[BN, BM] = W[BN, chunk] x^T[chunk, BM], W as the dot's
         wide operand (64 or 128 weight rows per MMA, the few x rows as its narrow side). With
         SPLIT > 1 (REDUCE) each chunk's fp32 partial goes to ws[n tile, split] and the tile's
@@ -95,8 +99,11 @@ if triton is not None:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BK):
             rk = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
-                        other=0.0, eviction_policy="evict_first")
+            if TMA:  # w_ptr is a TensorDescriptor of W [N, K], block [BN, BK] (zero past the edges)
+                w = w_ptr.load([pid_n * BN, k0])
+            else:
+                w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :],
+                            mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
             x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                         other=0.0)
             if DOT_F32:
@@ -204,6 +211,7 @@ class Tile(NamedTuple):
     split: int
     stages: int
     warps: int
+    tma: bool = False
 
 
 def config_t(M: int, N: int, K: int) -> Tile:
@@ -225,8 +233,9 @@ def run_t(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype,
     ws = torch.empty(tiles * cfg.split * cfg.bn * bm, dtype=torch.float32, device=x.device) if cfg.split > 1 else out
     cnt = arrival_counters(x.device, tiles) if cfg.split > 1 else out
     acc_arg = acc if acc is not None else out
+    w = TensorDescriptor.from_tensor(weight, [cfg.bn, cfg.bk]) if cfg.tma else weight
     _mm_t_kernel[(tiles, cfg.split)](
-        x, weight, acc_arg, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0), out.stride(0),
-        cfg.split, BM=bm, BN=cfg.bn, BK=cfg.bk, REDUCE=cfg.split > 1, HAS_ACC=acc is not None, DOT_F32=dot_f32(x.dtype),
-        num_warps=cfg.warps, num_stages=cfg.stages, **pdl(x.device))
+        x, w, acc_arg, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0), out.stride(0),
+        cfg.split, BM=bm, BN=cfg.bn, BK=cfg.bk, REDUCE=cfg.split > 1, HAS_ACC=acc is not None,
+        DOT_F32=dot_f32(x.dtype), TMA=cfg.tma, num_warps=cfg.warps, num_stages=cfg.stages, **pdl(x.device))
     return out

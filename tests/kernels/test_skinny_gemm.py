@@ -56,14 +56,15 @@ def test_skinny_mm_matches_torch(M, N, K, out_dtype, with_acc):
 @pytest.mark.parametrize("N, K", SHAPES)
 @pytest.mark.parametrize("M", [1, 5, 16, 64])
 @pytest.mark.parametrize("out_dtype, with_acc", OUTS)
-@pytest.mark.parametrize("split", [1, 3])
-def test_weight_wide_gemm_matches_torch(M, N, K, out_dtype, with_acc, split):
+@pytest.mark.parametrize("split, tma", [(1, False), (3, False), (3, True)])
+def test_weight_wide_gemm_matches_torch(M, N, K, out_dtype, with_acc, split, tma):
     """``tl_dot.run_t`` (W the MMA's wide side, K chunks reduced by the last program to
-    arrive) within one bf16 ulp of the fp32 product, for a partial N tile and a K that the
-    chunks do not divide; the counters are back to zero after every call."""
+    arrive; W through pointers or a TMA descriptor) within one bf16 ulp of the fp32
+    product, for a partial N tile and a K that the chunks do not divide; the counters are
+    back to zero after every call."""
     (x, w, acc), want = operands(M, N, K, out_dtype, with_acc)
     cfg = tl_dot.Tile(bn=64 if DEVICE == "cuda" else 32, bk=128 if DEVICE == "cuda" else 16, split=split,
-                      stages=4, warps=4)
+                      stages=4, warps=4, tma=tma)
     for _ in range(2):
         check(tl_dot.run_t(x, w, acc, out_dtype, cfg), want, out_dtype)
     assert not arrival_counters(x.device, N).any()
