@@ -5,8 +5,8 @@ vs cuBLAS vs the byte floor, each in a CUDA graph.
 
 ``--sweep`` also times a few CuTe configurations around ``cute_gemv.config`` (outputs per
 warp x K split, and for 1-2 outputs per warp 4 or 8 warps x 2- or 4-deep unroll) and
-records the best; ``fastest`` is what ``skinny_gemm.FASTEST`` holds. ``--tiles`` times the
-weight-wide Triton GEMM (``tl_dot.run_t``) over ``tile_configs`` (its best as ``tl_wide``).
+records the best; ``fastest`` is what ``skinny_gemm.FASTEST`` holds. ``--tiles`` also times
+the Triton GEMM (``tl_dot.run``) over ``tile_configs`` and records the best.
 """
 
 from __future__ import annotations
@@ -62,23 +62,20 @@ def cute_configs(M, N, K, sweep):
 
 
 def tile_configs(M, N, K, top=()):
-    """``tl_dot.Tile`` candidates: BN 64 / 128, BK 128 / 256, 3 or 5 stages, W through
-    pointers or TMA, 8 warps at BN 128, the K split that fills 2 waves halved and doubled;
-    with ``top`` (the best
-    configurations at another M) those and ``config_t`` only."""
-    base = tl_dot.config_t(M, N, K)
+    """``tl_dot.Tile`` candidates: BK 128 / 256, 3 to 7 stages, K splits of one and two
+    waves; ``config``'s with W through TMA and with BN 128 (4 or 8 warps); with ``top``
+    (the best configurations at another M) those and ``config`` only. (The first sweep,
+    ``gemm_tiles_h100_v1.json``, also crossed BN 128 and TMA with the rest: neither won.)"""
+    base = tl_dot.config(M, N, K)
     if top:
         return list(dict.fromkeys([base, *top]))
-    cands = [base]
-    for bn in (64, 128):
-        tiles = -(-N // bn)
-        auto = max(1, min(-(-2 * tl_dot.SMS // tiles), 16))
-        for bk in (128, 256):
-            for split in {max(1, auto // 2), auto, min(2 * auto, K // (2 * bk))}:
-                for stages in (3, 5):
-                    cands += [tl_dot.Tile(bn, bk, split, stages, 4, tma) for tma in (False, True)]
-                    if bn == 128:
-                        cands.append(tl_dot.Tile(bn, bk, split, stages, 8))
+    cands, tiles = [base], -(-N // 64)
+    for bk in (128, 256):
+        for split in {1, max(1, tl_dot.SMS // tiles), max(1, 2 * tl_dot.SMS // tiles)}:
+            for stages in (3, 4, 5, 6, 7):
+                cands.append(tl_dot.Tile(64, bk, split, stages, 4))
+    cands += [base._replace(tma=True), base._replace(bn=128, split=max(1, tl_dot.SMS // -(-N // 128))),
+              base._replace(bn=128, split=max(1, tl_dot.SMS // -(-N // 128)), warps=8)]
     return list(dict.fromkeys(c for c in cands if c.split >= 1))
 
 
@@ -127,19 +124,18 @@ def main(argv=None) -> Results:
                 times = {}
                 for cfg in tile_configs(M, N, K, top):
                     try:
-                        errs = [err(tl_dot.run_t(x, weights[0], None, out_dtype, cfg)) for _ in range(2)]
+                        errs = [err(tl_dot.run(x, weights[0], None, out_dtype, cfg)) for _ in range(2)]
                     except OutOfResources:  # BN x BK x stages past the shared memory
                         continue
-                    row["tl_wide_err"] = max(row.get("tl_wide_err", 0.0), *errs)
-                    times[cfg] = graph_time_us(lambda i: tl_dot.run_t(x, weights[i % args.copies], None, out_dtype, cfg))
+                    row["tl_dot_err"] = max(row["tl_dot_err"], *errs)
+                    times[cfg] = graph_time_us(lambda i: tl_dot.run(x, weights[i % args.copies], None, out_dtype, cfg))
                 ranked = sorted(times, key=times.get)
-                top = top or ranked[:6]
-                row.update(tl_wide_us=times[ranked[0]], tl_wide_cfg=list(ranked[0]),
-                           tl_wide_auto_us=times[tl_dot.config_t(M, N, K)],
-                           tl_wide_sweep={",".join(map(str, c)): t for c, t in times.items()})
-                print(f"{name} M={M}: cublas {row['cublas_us']:.1f} tl_dot {row['tl_dot_us']:.1f} "
-                      f"wide {times[ranked[0]]:.1f} {tuple(ranked[0])} floor {fl:.1f}", flush=True)
-            impls = {k[:-3]: v for k, v in row.items() if k in ("cublas_us", "tl_dot_us", "cute_gemv_us", "tl_wide_us")}
+                top = top or ranked[:8]
+                row.update(tl_best_us=times[ranked[0]], tl_best_cfg=list(ranked[0]),
+                           tl_sweep={",".join(map(str, c)): t for c, t in times.items()})
+            print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                            if k != "tl_sweep"), flush=True)
+            impls = {k[:-3]: v for k, v in row.items() if k in ("cublas_us", "tl_dot_us", "cute_gemv_us")}
             row["fastest"] = min(impls, key=impls.get)
             row["best_frac"] = fl / impls[row["fastest"]]
             res.add(**row)

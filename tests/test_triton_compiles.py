@@ -56,9 +56,37 @@ def test_dsa_radix_kernels_compile_for_sm90():
     assert ".target sm_90" in triton.compile(src, target=SM90, options={"num_warps": 16}).asm["ptx"]
 
 
+def skinny_gemm_ptx(M: int, dtype: str, dot_f32: bool) -> str:
+    """PTX of ``tl_dot._mm_kernel`` at its default tiles for the MLA q_a / kv_a / gate
+    shape, with the 16-byte divisibility the launcher specialises pointers and K-strides to."""
+    from kimi_inductor.kernels.skinny_gemm import tl_dot
+
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "acc_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
+           "stride_w": "i32", "stride_acc": "i32", "stride_out": "i32", "SPLIT": "i32",
+           **{k: "constexpr" for k in ("BM", "BN", "BK", "REDUCE", "HAS_ACC", "DOT_F32", "TMA", "PDL")}}
+    aligned = ("x_ptr", "w_ptr", "acc_ptr", "out_ptr", "ws_ptr", "K", "stride_x", "stride_w", "stride_acc", "stride_out")
+    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    cfg = tl_dot.config(M, 3648, 7168, 4 if dtype == "fp32" else 2)
+    constexprs = {"BM": max(16, M), "BN": cfg.bn, "BK": cfg.bk, "REDUCE": cfg.split > 1, "HAS_ACC": True,
+                  "DOT_F32": dot_f32, "TMA": False, "PDL": True}
+    return triton.compile(ASTSource(tl_dot._mm_kernel, sig, constexprs=constexprs, attrs=attrs), target=SM90,
+                          options={"num_warps": cfg.warps, "num_stages": cfg.stages}).asm["ptx"]
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("M", [8, 64])
+def test_skinny_gemm_compiles_for_sm90_to_pipelined_wgmma(M):
+    """The weight is the 64-row side of ``wgmma`` (n = the few x rows), its tiles stream
+    through ``cp.async`` stages, the K chunks meet at an acq_rel arrival counter, PDL."""
+    ptx = skinny_gemm_ptx(M, "bf16", False)
+    assert f"wgmma.mma_async.sync.aligned.m64n{max(16, M)}k16.f32.bf16" in ptx
+    assert "cp.async.cg" in ptx and "griddepcontrol.wait" in ptx and "atom.global.gpu.acq_rel.add" in ptx
+
+
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 @pytest.mark.parametrize("dot_f32", [False, True])
-def test_split_k_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
+def test_skinny_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
     """fp32 operands (the fp32 model of the exact-function checks) take the IEEE fp32 dot:
     ``tl.dot``'s fp32 default is TF32, which put the compiled fp32 decoder 1e-3 off fp32
     stock at K3 shapes (docs/testing.md, "bf16 at K3 per-rank shapes")."""
@@ -67,37 +95,7 @@ def test_split_k_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
     from kimi_inductor.kernels.skinny_gemm import tl_dot
 
     assert tl_dot.dot_f32(torch.float32) and tl_dot.dot_f32(torch.bfloat16) == tl_dot.INTERPRET
-    sig = {"x_ptr": "*fp32", "w_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*fp32", "ws_ptr": "*fp32",
-           "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_acc": "i32",
-           "stride_out": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "SPLIT": "constexpr",
-           "HAS_ACC": "constexpr", "DOT_F32": "constexpr", "PDL": "constexpr"}
-    cfg = tl_dot.config(8, 12288, 7168)
-    src = ASTSource(tl_dot._mm_kernel, sig, constexprs={**cfg, "HAS_ACC": False, "DOT_F32": dot_f32, "PDL": True})
-    ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-    assert ("tf32" in ptx) != dot_f32 and "griddepcontrol.wait" in ptx
-
-
-@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
-@pytest.mark.parametrize("M", [8, 64])
-def test_weight_wide_gemm_compiles_for_sm90_to_pipelined_wgmma(M):
-    """``tl_dot._mm_t_kernel`` at its default tiles: the weight is the 64-row side of
-    ``wgmma`` (n = the few x rows), its tiles stream through ``cp.async`` stages (with the
-    16-byte divisibility the launcher specialises K-strides to), launched with PDL."""
-    from kimi_inductor.kernels.skinny_gemm import tl_dot
-
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "acc_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32",
-           "stride_acc": "i32", "stride_out": "i32", "SPLIT": "i32",
-           **{k: "constexpr" for k in ("BM", "BN", "BK", "REDUCE", "HAS_ACC", "DOT_F32", "TMA", "PDL")}}
-    aligned = ("x_ptr", "w_ptr", "acc_ptr", "out_ptr", "ws_ptr", "K", "stride_x", "stride_w", "stride_acc", "stride_out")
-    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
-    cfg = tl_dot.config_t(M, 3648, 7168)
-    constexprs = {"BM": max(16, M), "BN": cfg.bn, "BK": cfg.bk, "REDUCE": cfg.split > 1, "HAS_ACC": True,
-                  "DOT_F32": False, "TMA": False, "PDL": True}
-    ptx = triton.compile(ASTSource(tl_dot._mm_t_kernel, sig, constexprs=constexprs, attrs=attrs), target=SM90,
-                         options={"num_warps": cfg.warps, "num_stages": cfg.stages}).asm["ptx"]
-    assert f"wgmma.mma_async.sync.aligned.m64n{max(16, M)}k16" in ptx
-    assert "cp.async.cg" in ptx and "griddepcontrol.wait" in ptx and "atom.global.gpu.acq_rel.add" in ptx
+    assert ("tf32" in skinny_gemm_ptx(8, "fp32", dot_f32)) != dot_f32
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")

@@ -53,15 +53,15 @@ RESULTS = "docs/results/gemm_h200_v2.json"
 # (N, K) -> ((up to M rows, implementation), ...): the fastest on H200 per row count
 # (benchmarks/gemm.py, RESULTS); rows past the last entry stay on cuBLAS.
 FASTEST: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
-    (6288, 7168): ((2, "cute_gemv"),),  # KDA in-projection
-    (7168, 1536): ((2, "cute_gemv"),),  # attention o-projection
-    (3648, 7168): ((2, "cute_gemv"),),  # MLA q_a + kv_a + gate
-    (2304, 1536): ((2, "cute_gemv"),),  # MLA q_b
+    (6288, 7168): ((2, "cute_gemv"), (64, "tl_dot")),  # KDA in-projection
+    (7168, 1536): ((2, "cute_gemv"), (64, "tl_dot")),  # attention o-projection
+    (3648, 7168): ((2, "cute_gemv"), (64, "tl_dot")),  # MLA q_a + kv_a + gate
+    (2304, 1536): ((2, "cute_gemv"), (32, "tl_dot")),  # MLA q_b
     (896, 7168): ((2, "cute_gemv"),),  # MoE router (fp32 logits)
-    (3584, 7168): ((2, "cute_gemv"),),  # MoE latent down
-    (7168, 3584): ((4, "cute_gemv"),),  # MoE latent up
-    (12288, 7168): ((2, "cute_gemv"), (16, "tl_dot")),  # shared experts gate_up (SP, replicated)
-    (7168, 6144): ((4, "cute_gemv"),),  # shared experts down (SP, replicated)
+    (3584, 7168): ((2, "cute_gemv"), (64, "tl_dot")),  # MoE latent down
+    (7168, 3584): ((4, "cute_gemv"), (64, "tl_dot")),  # MoE latent up
+    (12288, 7168): ((2, "cute_gemv"), (32, "tl_dot")),  # shared experts gate_up (SP, replicated)
+    (7168, 6144): ((4, "cute_gemv"), (64, "tl_dot")),  # shared experts down (SP, replicated)
 }
 
 BMM_RESULTS = "docs/results/mla_layer_h200_v8.json"

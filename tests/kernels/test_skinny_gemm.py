@@ -58,7 +58,7 @@ def test_skinny_mm_matches_torch(M, N, K, out_dtype, with_acc):
 @pytest.mark.parametrize("out_dtype, with_acc", OUTS)
 @pytest.mark.parametrize("split, tma", [(1, False), (3, False), (3, True)])
 def test_weight_wide_gemm_matches_torch(M, N, K, out_dtype, with_acc, split, tma):
-    """``tl_dot.run_t`` (W the MMA's wide side, K chunks reduced by the last program to
+    """``tl_dot.run`` (W the MMA's wide side, K chunks reduced by the last program to
     arrive; W through pointers or a TMA descriptor) within one bf16 ulp of the fp32
     product, for a partial N tile and a K that the chunks do not divide; the counters are
     back to zero after every call."""
@@ -66,7 +66,7 @@ def test_weight_wide_gemm_matches_torch(M, N, K, out_dtype, with_acc, split, tma
     cfg = tl_dot.Tile(bn=64 if DEVICE == "cuda" else 32, bk=128 if DEVICE == "cuda" else 16, split=split,
                       stages=4, warps=4, tma=tma)
     for _ in range(2):
-        check(tl_dot.run_t(x, w, acc, out_dtype, cfg), want, out_dtype)
+        check(tl_dot.run(x, w, acc, out_dtype, cfg), want, out_dtype)
     assert not arrival_counters(x.device, N).any()
 
 
