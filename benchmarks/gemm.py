@@ -62,7 +62,7 @@ def cute_configs(M, N, K, sweep):
 
 
 def tile_configs(M, N, K, top=()):
-    """``tl_dot.Tile`` candidates: BK 128 / 256, 3 to 7 stages, K splits of one and two
+    """``tl_dot.Tile`` candidates: BK 128 / 256, 3 / 5 / 7 stages, K splits of one and two
     waves; ``config``'s with W through TMA and with BN 128 (4 or 8 warps); with ``top``
     (the best configurations at another M) those and ``config`` only. (The first sweep,
     ``gemm_tiles_h100_v1.json``, also crossed BN 128 and TMA with the rest: neither won.)"""
@@ -72,7 +72,7 @@ def tile_configs(M, N, K, top=()):
     cands, tiles = [base], -(-N // 64)
     for bk in (128, 256):
         for split in {1, max(1, tl_dot.SMS // tiles), max(1, 2 * tl_dot.SMS // tiles)}:
-            for stages in (3, 4, 5, 6, 7):
+            for stages in (3, 5, 7):
                 cands.append(tl_dot.Tile(64, bk, split, stages, 4))
     cands += [base._replace(tma=True), base._replace(bn=128, split=max(1, tl_dot.SMS // -(-N // 128))),
               base._replace(bn=128, split=max(1, tl_dot.SMS // -(-N // 128)), warps=8)]
@@ -130,7 +130,7 @@ def main(argv=None) -> Results:
                     row["tl_dot_err"] = max(row["tl_dot_err"], *errs)
                     times[cfg] = graph_time_us(lambda i: tl_dot.run(x, weights[i % args.copies], None, out_dtype, cfg))
                 ranked = sorted(times, key=times.get)
-                top = top or ranked[:8]
+                top = top or ranked[:5]
                 row.update(tl_best_us=times[ranked[0]], tl_best_cfg=list(ranked[0]),
                            tl_sweep={",".join(map(str, c)): t for c, t in times.items()})
             print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()

@@ -202,8 +202,8 @@ class LowerKernels:
                 kept[f"GEMM {N}x{K}: a column block of its weight (sharded_moe): cuBLAS reads it in place"] += 1
                 continue
             dtype = x.meta["val"].dtype
-            why = skinny_gemm.choose(M, N, K, dtype)[1]
-            if why:
+            impl, why = skinny_gemm.choose(M, N, K, dtype)
+            if impl == "cublas":
                 kept[f"GEMM {N}x{K}: {why}"] += 1
                 continue
             fusable = {}

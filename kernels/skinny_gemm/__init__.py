@@ -13,11 +13,12 @@ all of it (e.g. the TP8 KDA in-projection, 6288 x 7168 bf16: 90 MB -> 21.1 us at
 Implementations, each deterministic (replicated GEMMs give every rank the same bits):
   * ``cute_gemv``: CuTe DSL, CUDA-core split-K GEMV with a last-CTA reduction, M <= 8
     (SM90 / SM100; needs ``nvidia-cutlass-dsl``);
-  * ``tl_dot``: Triton, tensor-core split-K with a second summing kernel, M <= 64; also
-    what runs under ``TRITON_INTERPRET=1`` on CPU;
+  * ``tl_dot``: Triton, the weight as the ``wgmma``'s 64-row side, K split only to fill
+    one wave and reduced by the last CTA to arrive, M <= 64; also what runs under
+    ``TRITON_INTERPRET=1`` on CPU;
   * cuBLAS (``reference``), wherever it measured faster.
-Dispatch (``choose``): the fastest of the three per (N, K, M) as measured on H200 inside
-CUDA graphs (``FASTEST``); shapes not measured stay on cuBLAS.
+Dispatch (``choose``): the fastest of the three per (N, K, M) as measured inside CUDA
+graphs (``FASTEST``); shapes not measured stay on cuBLAS.
 
 Two fused neighbours, where the CuTe GEMV runs (``choose_fused``; elsewhere the
 ``lower_kernels`` pass leaves the pair unfused):
@@ -49,15 +50,17 @@ from . import tl_dot
 
 NAMESPACE = "kimi_kernels"
 MAX_ROWS = 64
-RESULTS = "docs/results/gemm_h200_v2.json"
-# (N, K) -> ((up to M rows, implementation), ...): the fastest on H200 per row count
-# (benchmarks/gemm.py, RESULTS); rows past the last entry stay on cuBLAS.
+RESULTS = "docs/results/gemm_h200_v2.json (CuTe GEMV), docs/results/gemm_h100_v1.json (Triton)"
+# (N, K) -> ((up to M rows, implementation), ...): the fastest per row count, side by side
+# in CUDA graphs (benchmarks/gemm.py, RESULTS): the CuTe GEMV where it beat cuBLAS on an
+# H200, the Triton GEMM from there on where it beat cuBLAS on an H100 (1.02-1.22x at 1-64
+# rows); rows past the last entry stay on cuBLAS. Without CuTe DSL its rows go to Triton.
 FASTEST: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     (6288, 7168): ((2, "cute_gemv"), (64, "tl_dot")),  # KDA in-projection
     (7168, 1536): ((2, "cute_gemv"), (64, "tl_dot")),  # attention o-projection
     (3648, 7168): ((2, "cute_gemv"), (64, "tl_dot")),  # MLA q_a + kv_a + gate
-    (2304, 1536): ((2, "cute_gemv"), (32, "tl_dot")),  # MLA q_b
-    (896, 7168): ((2, "cute_gemv"),),  # MoE router (fp32 logits)
+    (2304, 1536): ((2, "cute_gemv"), (16, "tl_dot")),  # MLA q_b
+    (896, 7168): ((2, "cute_gemv"), (32, "tl_dot")),  # MoE router (fp32 logits)
     (3584, 7168): ((2, "cute_gemv"), (64, "tl_dot")),  # MoE latent down
     (7168, 3584): ((4, "cute_gemv"), (64, "tl_dot")),  # MoE latent up
     (12288, 7168): ((2, "cute_gemv"), (32, "tl_dot")),  # shared experts gate_up (SP, replicated)
@@ -100,7 +103,8 @@ def supported(M: int, N: int, K: int, dtype: torch.dtype) -> str:
 
 
 def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
-    """(implementation, why): 'cute_gemv', 'tl_dot' or 'cublas' with the reason cuBLAS stays."""
+    """(implementation, why): 'cute_gemv', 'tl_dot' or 'cublas', with the reason the
+    measured fastest is not taken."""
     why = supported(M, N, K, dtype)
     if why:
         return "cublas", why
@@ -110,7 +114,7 @@ def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
     if impl == "cute_gemv":
         why = cute_available() or (dtype != torch.bfloat16 and f"dtype {dtype}") or _cute().supported(M, N, K)
         if why:
-            return "cublas", why
+            return "tl_dot", f"not the CuTe GEMV: {why}"
     return impl, ""
 
 

@@ -112,14 +112,19 @@ class Tile(NamedTuple):
 
 
 def config(M: int, N: int, K: int, itemsize: int = 2) -> Tile:
-    """BN 64 (one warpgroup's MMA height), BK 128; K split only as far as the tiles stay
-    one CTA per SM (the split is mostly 1: one long chunk per CTA streams faster than
-    more, shorter ones), with 5 stages in flight then, 3 where two CTAs share an SM or
-    the operands are fp32 (benchmarks/gemm.py --tiles, RESULTS)."""
-    bn, bk = 64, 128
-    tiles = triton.cdiv(N, bn)
-    split = max(1, min(SMS // tiles, triton.cdiv(K, 4 * bk)))
-    return Tile(bn, bk, split, 5 if tiles * split <= SMS and itemsize == 2 else 3, 4)
+    """BN 64 (one warpgroup's MMA height), BK 128, one CTA per 64 weight rows streaming all
+    of K: K is split only where the tiles would leave over 2/3 of the SMs idle (then into
+    one wave); stages by how many CTAs share an SM: 7 where under half the SMs have one,
+    5 up to one CTA per SM, 3 beyond (two share an SM) or for fp32 operands. On an H100
+    at the nine TP8 shapes this was the best or within 2.5 % of the best of 13-33
+    tilings at 1-64 rows, except split K at 32-64 rows (q_b, router: 6-14 %) (``benchmarks/gemm.py --tiles``, docs/results/gemm_h100_v1.json)."""
+    tiles = triton.cdiv(N, 64)
+    split = SMS // tiles if 3 * tiles <= SMS else 1
+    if itemsize > 2 or tiles > SMS:
+        stages = 3
+    else:
+        stages = 7 if split == 1 and 2 * tiles <= SMS else 5
+    return Tile(64, 128, split, stages, 4)
 
 
 def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype, cfg: Tile | None = None) -> Tensor:

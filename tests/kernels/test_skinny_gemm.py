@@ -166,9 +166,12 @@ def test_dispatch_names_its_reason():
     impl, why = skinny_gemm.choose(64, 48, 64, torch.bfloat16)  # a shape never measured
     assert impl == "cublas" and "fastest" in why
     assert skinny_gemm.choose(8, 12288, 7168, torch.bfloat16) == ("tl_dot", "")
+    assert skinny_gemm.choose(64, 12288, 7168, torch.bfloat16)[0] == "cublas"  # measured faster there
+    no_cute = skinny_gemm.cute_available()
     assert skinny_gemm.choose(1, 6288, 7168, torch.bfloat16) == (
-        ("cute_gemv", "") if not skinny_gemm.cute_available() else ("cublas", skinny_gemm.cute_available()))
-    assert skinny_gemm.choose(1, 6288, 7168, torch.float32)[0] == "cublas"  # the GEMV reads bf16 only
+        ("cute_gemv", "") if not no_cute else ("tl_dot", f"not the CuTe GEMV: {no_cute}"))
+    # the GEMV reads bf16 only: fp32 operands take the Triton GEMM
+    assert skinny_gemm.choose(1, 6288, 7168, torch.float32) == ("tl_dot", "not the CuTe GEMV: dtype torch.float32")
 
 
 @pytest.mark.gpu
