@@ -59,11 +59,12 @@ class Results:
         self.name, self.rows, self.meta = name, [], {
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "cute_dsl": cute_available() or "available",  # the skinny GEMMs fall back to cuBLAS without it
+            "cute_dsl": cute_available() or "available",  # without it 1-2 row GEMMs take the Triton GEMM
             "pdl": torch.cuda.is_available() and pdl(torch.device("cuda"))["PDL"],  # our kernels' launches
         }
         if torch.cuda.is_available() and self.meta["cute_dsl"] != "available":
-            print(f"note: {self.meta['cute_dsl']}; kimi_specialized's skinny GEMMs run on cuBLAS", flush=True)
+            print(f"note: {self.meta['cute_dsl']}; kimi_specialized's 1-2 row GEMMs run on the Triton GEMM, "
+                  "not the CuTe GEMV", flush=True)
 
     def add(self, echo: bool = True, **row: Any) -> None:
         self.rows.append(row)
