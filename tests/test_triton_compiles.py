@@ -57,8 +57,7 @@ def test_dsa_radix_kernels_compile_for_sm90():
 
 
 def skinny_gemm_ptx(M: int, dtype: str, dot_f32: bool) -> str:
-    """PTX of ``tl_dot._mm_kernel`` at its default tiles for the MLA q_a / kv_a / gate
-    shape, with the 16-byte divisibility the launcher specialises pointers and K-strides to."""
+    """PTX of ``tl_dot._mm_kernel`` at its default tiles for MLA's q_b (K split in 3), with the 16-byte divisibility the launcher specialises pointers and K-strides to."""
     from kimi_inductor.kernels.skinny_gemm import tl_dot
 
     sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "acc_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
@@ -67,7 +66,8 @@ def skinny_gemm_ptx(M: int, dtype: str, dot_f32: bool) -> str:
            **{k: "constexpr" for k in ("BM", "BN", "BK", "REDUCE", "HAS_ACC", "DOT_F32", "TMA", "PDL")}}
     aligned = ("x_ptr", "w_ptr", "acc_ptr", "out_ptr", "ws_ptr", "K", "stride_x", "stride_w", "stride_acc", "stride_out")
     attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
-    cfg = tl_dot.config(M, 3648, 7168, 4 if dtype == "fp32" else 2)
+    cfg = tl_dot.config(M, 2304, 1536, 4 if dtype == "fp32" else 2)
+    assert cfg.split > 1
     constexprs = {"BM": max(16, M), "BN": cfg.bn, "BK": cfg.bk, "REDUCE": cfg.split > 1, "HAS_ACC": True,
                   "DOT_F32": dot_f32, "TMA": False, "PDL": True}
     return triton.compile(ASTSource(tl_dot._mm_kernel, sig, constexprs=constexprs, attrs=attrs), target=SM90,
