@@ -23,7 +23,7 @@ try:
 except ImportError:  # CPU machines without Triton use the references
     triton, tl, INTERPRET = None, None, False
 
-bf16_round = pdl_wait = None
+bf16_round = pdl_release = pdl_wait = None
 
 
 def pdl_allowed() -> bool:
@@ -62,12 +62,22 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def pdl_wait(PDL: tl.constexpr):
+    def pdl_wait(PDL: tl.constexpr, RELEASE: tl.constexpr = True):
         """First statement of a kernel launched with ``pdl``: wait until the grids it
         depends on have finished and their writes are visible (nothing before it may read
-        or write memory), then let the next kernel be scheduled."""
+        or write memory), then let the next kernel be scheduled (unless not RELEASE: then
+        ``pdl_release`` does, later)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
+            if RELEASE:
+                tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_release(PDL: tl.constexpr):
+        """Let the next kernel be scheduled (after ``pdl_wait(PDL, RELEASE=False)``): a
+        kernel releases only after its own wait, so the kernels two launches back are
+        complete whenever a kernel runs."""
+        if PDL:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit

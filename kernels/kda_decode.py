@@ -27,6 +27,11 @@ bumps the head's arrival counter (acq_rel); the last to arrive writes the q/k co
 state and normalises every token, then resets the counter (one kernel; the arrival
 order does not change any value).
 
+PDL: the kernel releases its dependents (o_proj's GEMV, which reads its weights before
+its own wait) only after its state and weight loads, not at its start: that overlaps
+o_proj's weight stream with the latency-bound recurrence without competing with its
+loads (the KDA layer 1.5-1.8 us faster at one row, docs/performance.md, session 11).
+
 Byte floor of one call (R requests, H_l heads, D = 128, fp32 state): R H_l (2 x 64 KB
 state read/write) + f_b (H_l D^2 bf16) + R q (3 + 1 + 1) H_l D bf16 activations.
 At TP8 (H_l = 12): 1.6 MB per request -> 0.37 us per request at 4.28 TB/s.
@@ -46,7 +51,7 @@ import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.state import check_q
 
-from .common import INTERPRET, arrival_counters, bf16_round, pdl, pdl_wait, SMS, tl, triton
+from .common import INTERPRET, arrival_counters, bf16_round, pdl, pdl_release, pdl_wait, SMS, tl, triton
 
 NAMESPACE = "kimi_kernels"
 
@@ -74,7 +79,7 @@ if triton is not None:
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
         NV: tl.constexpr, PDL: tl.constexpr,
     ):
-        pdl_wait(PDL)
+        pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         r = tl.program_id(0)
         h = tl.program_id(1)
         BV: tl.constexpr = D // NV
@@ -137,6 +142,7 @@ if triton is not None:
         # overwrites them (a token's state may land in the slot it started from, and
         # the new conv rows overlap the window; elements can be replicated across threads).
         tl.debug_barrier()
+        pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's loads are out
 
         # the new conv state starts with the window's last two saved inputs; with a V split
         # the q/k channels (read by every program of the head) are written by the last one

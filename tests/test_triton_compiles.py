@@ -180,7 +180,8 @@ def test_mxfp4_expert_kernels_fit_their_register_cap():
 @pytest.mark.parametrize("nv", [1, 4])
 def test_kda_kernel_compiles_for_sm90(nv):
     """The fused KDA decode kernel at TP8 per-rank shapes (12 heads of 128), states
-    addressed by slot stride."""
+    addressed by slot stride; with PDL it releases o_proj only after its wait and its
+    state load (the recurrent state's fp32 loads come before ``launch_dependents``)."""
     from kimi_inductor.kernels import kda_decode
 
     ptrs = {"qkv_ptr": "*bf16", "fa_ptr": "*bf16", "fbw_ptr": "*bf16", "g2_ptr": "*bf16", "beta_ptr": "*bf16",
@@ -195,7 +196,11 @@ def test_kda_kernel_compiles_for_sm90(nv):
                                     else "constexpr") for name in params}
     compiled = triton.compile(ASTSource(kda_decode._kda_decode_kernel, sig, constexprs=constexprs), target=SM90,
                               options={"num_warps": 4})
-    assert ".target sm_90" in compiled.asm["ptx"]
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx
+    wait, release = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert wait < release and ptx.count("griddepcontrol.launch_dependents") == 1
+    assert ptx[wait:release].count("ld.global") >= ptx[release:].count("ld.global")
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")

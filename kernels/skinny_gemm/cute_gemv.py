@@ -36,7 +36,12 @@ Fused neighbours (``Fusion``), each one launch instead of two:
 
 On SM90+ the GEMV launches with programmatic dependent launch (``common.pdl``): its CTAs
 may be scheduled while the kernel before it still runs and wait for it in ``pdl_wait``,
-so a CUDA graph of decode kernels loses no launch gap at a GEMV.
+so a CUDA graph of decode kernels loses no launch gap at a GEMV. W does not depend on
+that kernel: each warp reads its first P = 6 warp steps of W into registers before the
+wait (``read_ahead``; o_proj's whole K at one row), so they stream while the kernel
+before it finishes; the KDA kernel releases o_proj only after its own loads, so the two
+streams do not compete. The GEMV releases the kernel after it once every CTA has issued
+its weight loads (``pdl_wait``).
 
 Constraints (checked by ``supported``): K % (256 SPLIT) == 0, N % R == 0, 16-byte aligned
 rows.
@@ -45,6 +50,7 @@ rows.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import cutlass
@@ -184,8 +190,9 @@ class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False):
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0):
         self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
+        self.preload = min(preload, k // (STEP * split)) if pdl else 0  # warp steps of W read before the wait
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
         self.eps, self.inv_k = fusion.eps or 0.0, 1.0 / max(k, 1)
@@ -211,17 +218,23 @@ class SplitKGemv:
         """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
         with RMSNorm: the chunk's sum of x^2)]."""
         bx, s, _ = cute.arch.block_idx()
+        # W does not depend on the kernels before this one: its first warp steps are read
+        # before the PDL wait, overlapping their tail (``preload``)
+        n0 = bx * self.tile + cute.arch.warp_idx() * self.r
+        half = self.half if const_expr(self.half and self.split == 1) else n  # as tile_of / split_tile read W
+        kv0 = s * (k // (STEP * self.split)) * WARP + cute.arch.lane_idx()
+        ahead = self.read_ahead(w, n0, n, half, kv0, load_w)
         pdl_wait(self.pdl)
         if const_expr(self.split == 1):
-            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x)
+            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x, ahead)
         else:
             flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-            self.split_tile(x, w, gamma, acc, out, ws, counters, bx, s, flag, load_w, load_x)
+            self.split_tile(x, w, gamma, acc, out, ws, counters, bx, s, flag, load_w, load_x, ahead)
 
     @cute.jit
     def split_tile(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
                    ws: cute.Tensor, counters: cute.Tensor, bx: Int32, s: Int32, flag: cute.Tensor,
-                   load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+                   load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None):
         """CTA (``bx``, ``s``): K chunk s of output tile bx; the CTA that arrives last at
         ``counters[bx]`` sums the tile's partials and writes it. Returns whether this CTA
         did (uniform over the CTA). ``flag``: one Int32 of shared memory."""
@@ -239,7 +252,7 @@ class SplitKGemv:
         part, sq = self.partials()
         if n0 < n:
             self.dot(x, w, gamma, n0, n, s * (k // (STEP * split)) * WARP + lane, k // (STEP * split), load_w,
-                     load_x, part, sq)
+                     load_x, part, sq, ahead)
             for m in cutlass.range_constexpr(rows):
                 for j in cutlass.range_constexpr(wrows):
                     if lane == m * wrows + j:
@@ -273,11 +286,29 @@ class SplitKGemv:
         return part, sq
 
     @cute.jit
+    def read_ahead(self, w: cute.Tensor, n0: Int32, n: Int32, half, kv0: Int32, load_w: cute.CopyAtom):
+        """The warp's weight vectors of its first ``preload`` warp steps, [steps, weight rows,
+        VEC] in registers (rows as ``dot`` reads them; nothing read past the last output)."""
+        ahead = cute.make_rmem_tensor(
+            cute.make_layout((max(self.preload, 1), self.wrows, VEC), stride=(self.wrows * VEC, VEC, 1)),
+            self.in_dtype)
+        if const_expr(self.preload > 0):
+            if n0 < n:
+                wv = cute.logical_divide(w, (None, VEC))
+                for t in cutlass.range_constexpr(self.preload):
+                    for j in cutlass.range_constexpr(self.wrows):
+                        cute.copy(load_w, wv[n0 + j % self.r + (j // self.r) * half, (None, kv0 + t * WARP)],
+                                  ahead[t, j, None])
+        return ahead
+
+    @cute.jit
     def dot(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, n0: Int32, half, kv0: Int32, steps: Int32,
-            load_w: cute.CopyAtom, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor):
+            load_w: cute.CopyAtom, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor,
+            ahead: cute.Tensor | None = None):
         """The warp's dot products over ``steps`` warp steps from 16-byte vector ``kv0``,
         warp-reduced into ``part`` (and ``sq``): outputs n0 .. n0 + R - 1, whose weight rows
-        are n0 + j and, with SiTU, the up rows half + n0 + j."""
+        are n0 + j and, with SiTU, the up rows half + n0 + j; the first ``preload`` steps'
+        weights are ``ahead``'s (``read_ahead``; None without preload: ``MoEInGemv``)."""
         rows: cutlass.Constexpr = self.rows
         r: cutlass.Constexpr = self.r
         wrows: cutlass.Constexpr = self.wrows
@@ -288,25 +319,14 @@ class SplitKGemv:
         wr = cute.make_rmem_tensor(cute.make_layout((wrows, VEC), stride=(VEC, 1)), self.in_dtype)
         gr = cute.make_rmem_tensor(cute.make_layout(VEC), self.in_dtype)
         gv = cute.logical_divide(gamma, (None, VEC))  # gamma [1, K]
-        for t in cutlass.range(steps, unroll=self.unroll):
+        for t in cutlass.range_constexpr(self.preload):
+            self.accumulate(xv, gv, kv0 + t * WARP, ahead[t, None, None], xr, gr, load_x, part, sq)
+        for t in cutlass.range(self.preload, steps, 1, unroll=self.unroll):
             kv = kv0 + t * WARP
             for j in cutlass.range_constexpr(wrows):  # SiTU: gate rows n0.., then up rows half + n0..
                 cute.copy(load_w, wv[n0 + j % r + (j // r) * half, (None, kv)], wr[j, None])
-            for m in cutlass.range_constexpr(rows):
-                cute.copy(load_x, xv[m, (None, kv)], xr[m, None])
-            xf = xr.load().to(Float32)
-            wf = wr.load().to(Float32)
-            if const_expr(self.norm):
-                cute.copy(load_x, gv[0, (None, kv)], gr)
-                gf = gr.load().to(Float32)
-            for e in cutlass.range_constexpr(VEC):
-                for m in cutlass.range_constexpr(rows):
-                    xe = xf[m, e]
-                    if const_expr(self.norm):
-                        sq[m] = sq[m] + xe * xe
-                        xe = xe * gf[e]
-                    for j in cutlass.range_constexpr(wrows):
-                        part[m, j] = part[m, j] + xe * wf[j, e]
+            self.accumulate(xv, gv, kv, wr, xr, gr, load_x, part, sq)
+        cute.arch.griddepcontrol_launch_dependents()  # see ``pdl_wait`` (nothing in a launch without PDL)
         for m in cutlass.range_constexpr(rows):
             for j in cutlass.range_constexpr(wrows):
                 part[m, j] = cute.arch.warp_reduction_sum(part[m, j])
@@ -314,8 +334,29 @@ class SplitKGemv:
                 sq[m] = cute.arch.warp_reduction_sum(sq[m])
 
     @cute.jit
+    def accumulate(self, xv: cute.Tensor, gv: cute.Tensor, kv: Int32, wr: cute.Tensor, xr: cute.Tensor,
+                   gr: cute.Tensor, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor):
+        """One warp step: x's (and gamma's) vectors ``kv`` times the weight vectors ``wr``
+        [weight rows, VEC] into the lane's ``part`` (and ``sq``)."""
+        for m in cutlass.range_constexpr(self.rows):
+            cute.copy(load_x, xv[m, (None, kv)], xr[m, None])
+        xf = xr.load().to(Float32)
+        wf = wr.load().to(Float32)
+        if const_expr(self.norm):
+            cute.copy(load_x, gv[0, (None, kv)], gr)
+            gf = gr.load().to(Float32)
+        for e in cutlass.range_constexpr(VEC):
+            for m in cutlass.range_constexpr(self.rows):
+                xe = xf[m, e]
+                if const_expr(self.norm):
+                    sq[m] = sq[m] + xe * xe
+                    xe = xe * gf[e]
+                for j in cutlass.range_constexpr(self.wrows):
+                    part[m, j] = part[m, j] + xe * wf[j, e]
+
+    @cute.jit
     def tile_of(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
-                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None):
         """CTA ``bx``'s outputs over all of K (no split): out[:, bx TILE .. (bx + 1) TILE).
         With SiTU the up rows start ``self.half`` rows after the gate rows (0: after all n
         gate rows, the [gate; up] weight)."""
@@ -325,7 +366,7 @@ class SplitKGemv:
         part, sq = self.partials()
         if n0 < n:
             self.dot(x, w, gamma, n0, self.half if self.half else n, lane, cute.size(w, mode=[1]) // STEP, load_w,
-                     load_x, part, sq)
+                     load_x, part, sq, ahead)
             for m in cutlass.range_constexpr(self.rows):
                 for j in cutlass.range_constexpr(self.r):
                     if lane == m * self.r + j:
@@ -522,13 +563,16 @@ class MoEInGemv:
 
 @cute.jit
 def pdl_wait(pdl: cutlass.Constexpr):
-    """First statement of a kernel launched with programmatic dependent launch (``pdl``):
-    wait until the grids it depends on have finished and their writes are visible
-    (nothing before it may touch memory). It does not release the next kernel early
-    (``launch_dependents``): a GEMV is a grid of hundreds of CTAs, and a next kernel
-    scheduled at their start holds SM slots they need; the CTAs' exits release it, still
-    without a launch gap (measured side by side: the KDA layer step 36.9 / 42.5 -> 35.2 /
-    36.2 us at 1 / 2 rows, docs/performance.md)."""
+    """In a kernel launched with programmatic dependent launch (``pdl``): wait until the
+    grids it depends on have finished and their writes are visible (nothing before it may
+    read what they write or write anything; the GEMV reads only W before it, ``preload``).
+    It does not release the next kernel here (``launch_dependents``): a GEMV is a grid of
+    hundreds of CTAs, and a next kernel scheduled at their start holds SM slots they need
+    (the KDA layer step 36.9 / 42.5 against 35.2 / 36.2 us at 1 / 2 rows released at
+    exit, docs/performance.md). ``dot`` releases it after its K loop, once every CTA (the
+    last wave included) has issued its weight loads, so the next kernel's CTAs take the
+    SMs the first waves freed (with the KDA kernel's late release and the preload: the
+    KDA layer 1.5-1.8 us faster at one row on an H100, session 11)."""
     if const_expr(pdl):
         cute.arch.griddepcontrol_wait()
 
@@ -627,14 +671,15 @@ def _fake(dtype, shape):
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None):
+                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
     N: the weight's rows; ``pdl``: launched with programmatic dependent launch;
-    ``x_stride``: x's row stride (``row_stride``), K when omitted."""
+    ``x_stride``: x's row stride (``row_stride``), K when omitted; ``preload``: warp steps
+    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps)."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
-                        fusion, K, pdl=pdl)
+                        fusion, K, pdl=pdl, preload=preload)
     n_out = N // 2 if fusion.situ else N
     x = make_fake_tensor(cutlass.BFloat16, (M, K), (x_stride or K, 1), assumed_align=16)
     args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
@@ -644,6 +689,16 @@ def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, 
             make_fake_stream(use_tvm_ffi_env_stream=True))  # launches on torch's current stream
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *args, options=options)
+
+
+PRELOAD = 6  # warp steps of W read before the PDL wait: all of o_proj's K at one row
+
+
+def preload_steps() -> int:
+    """Warp steps of W a GEMV launched with PDL reads before its wait, overlapping the
+    kernel before it: PRELOAD, or ``KIMI_INDUCTOR_GEMV_PRELOAD`` (0: none, to measure
+    what it gives)."""
+    return int(os.environ.get("KIMI_INDUCTOR_GEMV_PRELOAD", PRELOAD))
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -675,14 +730,15 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     stride = row_stride(x)
     if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
         x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, x.device.index)
+    ahead = preload_steps() if on else 0
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
         counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
         _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
-                                       x_stride=stride), counters
+                                       x_stride=stride, preload=ahead), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
     ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)
