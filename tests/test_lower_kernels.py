@@ -27,7 +27,7 @@ def test_attention_cores_are_lowered_and_reported(fake_world, preset):
     cores = len(report.layers)
     assert info.rewritten >= cores
     # cuBLAS keeps every tiny GEMM: our GEMMs are dispatched only at measured TP8 shapes
-    assert any("GEMM" in s and "cuBLAS is the fastest" in s for s in info.skipped)
+    assert any("GEMM" in s and "never timed against it" in s for s in info.skipped)
 
 
 def test_cpu_router_gemm_is_matched_with_its_bf16_operands():
@@ -122,7 +122,7 @@ def test_mla_per_head_gemms_are_lowered_at_k3_shapes(rows, lowered):
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.kimi_kernels.skinny_bmm.default) == (2 if lowered else 0)
     assert targets.count(torch.ops.aten.bmm.default) == (0 if lowered else 2)
-    reason = "65 rows (> 64" if rows > 64 else "cuBLAS is the fastest"
+    reason = "65 rows (> 64" if rows > 64 else "cuBLAS was faster from 2 rows"
     assert lowered or any(f"per-head GEMM 12x128x512: {reason}" in s for s in info.skipped)
     g = torch.Generator().manual_seed(rows)
     real = [torch.randn(a.shape, generator=g).to(bf16) for a in args]

@@ -50,6 +50,7 @@ from . import tl_dot
 
 NAMESPACE = "kimi_kernels"
 MAX_ROWS = 64
+UNMEASURED = "cuBLAS: our kernels were never timed against it at this shape"
 RESULTS = "docs/results/gemm_h200_v2.json (CuTe GEMV), docs/results/gemm_h100_v1.json (Triton)"
 # (N, K) -> ((up to M rows, implementation), ...): the fastest per row count, side by side
 # in CUDA graphs (benchmarks/gemm.py, RESULTS): the CuTe GEMV where it beat cuBLAS on an
@@ -108,9 +109,11 @@ def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
     why = supported(M, N, K, dtype)
     if why:
         return "cublas", why
-    impl = next((impl for rows, impl in FASTEST.get((N, K), ()) if M <= rows), "")
+    if (N, K) not in FASTEST:
+        return "cublas", f"{UNMEASURED} (skinny_gemm.FASTEST)"
+    impl = next((impl for rows, impl in FASTEST[(N, K)] if M <= rows), "")
     if not impl:
-        return "cublas", f"cuBLAS is the fastest at this shape on H200 ({RESULTS})"
+        return "cublas", f"cuBLAS was faster from {FASTEST[(N, K)][-1][0] + 1} rows ({RESULTS})"
     if impl == "cute_gemv":
         why = cute_available() or (dtype != torch.bfloat16 and f"dtype {dtype}") or _cute().supported(M, N, K)
         if why:
@@ -123,8 +126,10 @@ def choose_bmm(B: int, M: int, K: int, N: int, dtype: torch.dtype) -> str:
     why = supported(M, N, K, dtype)
     if why:
         return why
-    if M > FASTEST_BMM.get((B, K, N), 0):
-        return f"cuBLAS is the fastest at this shape on H200 ({BMM_RESULTS})"
+    if (B, K, N) not in FASTEST_BMM:
+        return f"{UNMEASURED} (skinny_gemm.FASTEST_BMM)"
+    if M > FASTEST_BMM[(B, K, N)]:
+        return f"cuBLAS was faster from {FASTEST_BMM[(B, K, N)] + 1} rows ({BMM_RESULTS})"
     return ""
 
 
