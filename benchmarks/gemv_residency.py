@@ -56,11 +56,15 @@ def main() -> None:
     ctas = G.tiles(N, cfg) * cfg.split
     steps = K // (G.STEP * cfg.split)
     print(f"{args.shape} N={N} K={K} M={args.rows} {cfg}: {ctas} CTAs of {threads} threads, {steps} warp steps")
+    fits = [0]
     for preload in args.preload:
         regs = registers(args.rows, N, K, cfg, preload)
         per_sm = min(2048 // threads, 65536 // (threads * -(-regs // 8) * 8))
         print(f"preload={min(preload, steps)} registers={regs} ctas_per_sm={per_sm} resident={per_sm * SMS} "
               f"of {ctas} ({min(1.0, per_sm * SMS / ctas):.0%})", flush=True)
+        if per_sm * SMS >= ctas:
+            fits.append(min(preload, steps))
+    print(f"deepest preload with every CTA resident: {max(fits)}")
 
 
 if __name__ == "__main__":
