@@ -19,7 +19,8 @@ import subprocess
 import tempfile
 
 os.environ.setdefault("CUTE_DSL_KEEP", "ptx")  # before cutlass is imported: keep the PTX for ptxas
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="gemv_ptx_"))
+_DUMP = tempfile.TemporaryDirectory(prefix="gemv_ptx_")  # removed at exit
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", _DUMP.name)
 
 import torch
 import triton

@@ -117,7 +117,8 @@ def config(M: int, N: int, K: int, itemsize: int = 2) -> Tile:
     one wave); stages by how many CTAs share an SM: 7 where under half the SMs have one,
     5 up to one CTA per SM, 3 beyond (two share an SM) or for fp32 operands. On an H100
     at the nine TP8 shapes this was the best or within 2.5 % of the best of 13-33
-    tilings at 1-64 rows, except split K at 32-64 rows (q_b, router: 6-14 %) (``benchmarks/gemm.py --tiles``, docs/results/gemm_h100_v1.json)."""
+    tilings at 1-64 rows, except split K at 32-64 rows (q_b, router: 6-14 %)
+    (``benchmarks/gemm.py --tiles``, docs/results/gemm_h100_v1.json)."""
     tiles = triton.cdiv(N, 64)
     split = SMS // tiles if 3 * tiles <= SMS else 1
     if itemsize > 2 or tiles > SMS:
