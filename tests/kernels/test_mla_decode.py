@@ -150,7 +150,7 @@ def test_insert_takes_views_as_vllm_hands_them():
 @pytest.mark.parametrize("R, q", [(3, 1), (2, 4)])
 def test_both_mma_orientations_match_stock(R, q, swap):
     """The split kernel with the query rows on the MMA's M side and with the positions
-    there (``swap``), each at its own tiles: the same attention as stock's."""
+    there (``swap``), at the default tiles: the same attention as stock's."""
     N, L, RD, block, per_req = SHAPES[0]
     args, scale = _case(R, q, N, L, RD, block, per_req, torch.bfloat16, seed=3 * R + q)
     want = M.reference(*args, scale)
