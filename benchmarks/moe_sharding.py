@@ -23,7 +23,9 @@ emits it (``kimi_kernels.moe_in`` with the expert choice / ``moe_out`` within th
 limits, else the GEMMs as the pass leaves them and ``kimi_kernels.select_experts``; the
 latent RMSNorm compiled by Inductor), its output checked against the sharded form's.
 ``--sweep`` also times the ops' configurations alone (moe_in with and without the
-choice) and the ops each replaces; ``--profile`` lists the kimi layer's kernels.
+choice; past 4 rows its Triton form, without it) and the ops each replaces; ``--profile``
+lists the kimi layer's kernels. ``KIMI_INDUCTOR_MOE_IN_ROWS=64`` gives the kimi layer
+moe_in's Triton form past 4 rows, as it gives lower_kernels.
 
     python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --sweep --profile --json X
 """
@@ -101,7 +103,8 @@ def projections_out(h, normed, w, shard, shards, fused):
 def kimi_layer(x, y, w, cfg, shard, shards):
     """The sharded layer as lower_kernels emits it (rank ``shard`` of ``shards``)."""
     M = x.shape[0]
-    logits, z, h, weights, ids = projections_in(x, w, cfg, shard, shards, M <= moe_projections.MAX_ROWS_IN)
+    fused_in = M <= max(moe_projections.MAX_ROWS_IN, moe_projections.in_triton_rows())  # as lower_kernels
+    logits, z, h, weights, ids = projections_in(x, w, cfg, shard, shards, fused_in)
     normed = rms_norm(y, w["norm"], cfg.rms_norm_eps)
     out = projections_out(h, normed, w, shard, shards, M <= moe_projections.MAX_ROWS_OUT)
     return out, z, weights, ids
@@ -130,8 +133,13 @@ def sweep(res, x, y, w, cfg, G):
                 t = graph_time_us(lambda i: cute_gemv.run_moe_in(x, w["gate"], w["down"], w["gate_up"], 0, G, situ,
                                                                  w["bias"], routed, pdl, c), calls=10, replays=5)
                 rows.append(dict(op="moe_in" + (" routed" if routed else ""), config=list(c), us=t))
-        unfused = torch.compile(lambda x: projections_in(x, w, cfg, 0, G, False), dynamic=False)
-        rows.append(dict(op="moe_in replaced ops", us=graph_time_us(lambda i: unfused(x), calls=10, replays=5)))
+    if M > moe_projections.MAX_ROWS_IN:  # the Triton form, then select_experts (as the op runs it)
+        rows.append(dict(op="moe_in triton", us=graph_time_us(
+            lambda i: torch.ops.kimi_kernels.select_experts(
+                moe_projections.run_in(x, w["gate"], w["down"], w["gate_up"], 0, G, *situ)[0], *route),
+            calls=10, replays=5)))
+    unfused = torch.compile(lambda x: projections_in(x, w, cfg, 0, G, False), dynamic=False)
+    rows.append(dict(op="moe_in replaced ops", us=graph_time_us(lambda i: unfused(x), calls=10, replays=5)))
     for bn in (32, 64):
         for bk in (128, 256):
             for stages in (2, 3):

@@ -1,6 +1,6 @@
 """What our Triton kernels share: whether Triton is here, whether it interprets (CPU,
-``TRITON_INTERPRET=1``), stock's bf16 rounding done exactly, and programmatic dependent
-launch (PDL).
+``TRITON_INTERPRET=1``), stock's bf16 rounding done exactly, stock's SiTU in fp32, and
+programmatic dependent launch (PDL).
 
 Triton is optional (a dependency only where its wheels exist: Linux x86_64). Without
 it every name below still imports (``triton``, ``tl`` and ``bf16_round`` are None)
@@ -23,7 +23,7 @@ try:
 except ImportError:  # CPU machines without Triton use the references
     triton, tl, INTERPRET = None, None, False
 
-bf16_round = pdl_release = pdl_wait = None
+bf16_round = pdl_release = pdl_wait = situ = None
 
 
 def pdl_allowed() -> bool:
@@ -90,3 +90,27 @@ if triton is not None:
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
         return x
+
+    @triton.jit
+    def _tanh(x):
+        """fp32 tanh within 2 ulp (exact exp; the GPU's approximate exp adds about one):
+        below |x| = 0.6 an odd polynomial (a minimax fit of tanh(x)/x - 1 in x^2), where
+        (1 - e) / (1 + e) with e = exp(-2|x|) cancels (63 ulp off at |x| = 0.007, and 0
+        below 3e-8); above it that form (at most 1.6 bits cancel). Triton has no expm1
+        on every backend (the interpreter included)."""
+        a = tl.abs(x)
+        s = a * a
+        p = -0.005895158741623163 * s + 0.020795971155166626
+        p = p * s - 0.053783830255270004
+        p = p * s + 0.13331924378871918
+        p = p * s - 0.33333298563957214
+        small = a + a * s * p
+        e = tl.exp(-2.0 * a)
+        t = tl.where(a < 0.6, small, (1.0 - e) / (1.0 + e))
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def situ(gate, up, beta, linear_beta):
+        """Stock's SiTU-GLU on fp32 gate / up (``stock.layers.situ_and_mul`` before its
+        rounding): beta tanh(gate / beta) sigmoid(gate) * lb tanh(up / lb)."""
+        return beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))

@@ -42,7 +42,7 @@ from torch import Tensor
 from kimi_inductor.stock.mxfp4 import expert_weights
 from kimi_inductor.stock.moe import combine_experts
 
-from .common import INTERPRET, pdl, pdl_wait, bf16_round, tl, triton
+from .common import INTERPRET, pdl, pdl_wait, bf16_round, situ, tl, triton
 
 NAMESPACE = "kimi_kernels"
 
@@ -86,24 +86,6 @@ def block_rows(pairs: int, experts: int) -> int:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tanh(x):
-        """fp32 tanh within 2 ulp (exact exp; the GPU's approximate exp adds about one):
-        below |x| = 0.6 an odd polynomial (a minimax fit of tanh(x)/x - 1 in x^2), where
-        (1 - e) / (1 + e) with e = exp(-2|x|) cancels (63 ulp off at |x| = 0.007, and 0
-        below 3e-8); above it that form (at most 1.6 bits cancel). Triton has no expm1
-        on every backend (the interpreter included)."""
-        a = tl.abs(x)
-        s = a * a
-        p = -0.005895158741623163 * s + 0.020795971155166626
-        p = p * s - 0.053783830255270004
-        p = p * s + 0.13331924378871918
-        p = p * s - 0.33333298563957214
-        small = a + a * s * p
-        e = tl.exp(-2.0 * a)
-        t = tl.where(a < 0.6, small, (1.0 - e) / (1.0 + e))
-        return tl.where(x < 0, -t, t)
 
     @triton.jit
     def _e2m1(code):
@@ -253,7 +235,7 @@ if triton is not None:
                     acc_u = _dot(x, wu, acc_u, DOT_F32)
             gate = bf16_round(acc_g, ROUND)
             up = bf16_round(acc_u, ROUND)
-            act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
+            act = situ(gate, up, beta, linear_beta)
             tl.store(h_ptr + (start + rm)[:, None].to(tl.int64) * I + rn[None, :],
                      bf16_round(act, ROUND).to(h_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 

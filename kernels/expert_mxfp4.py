@@ -210,7 +210,7 @@ if cutlass is not None:
 
     @cute.jit
     def _tanh(x: Float32) -> Float32:
-        """fp32 tanh as ``expert_ffn._tanh``: an odd polynomial below |x| = 0.6, else
+        """fp32 tanh as ``common._tanh``: an odd polynomial below |x| = 0.6, else
         (1 - e) / (1 + e) with e = exp(-2 |x|)."""
         a = cute.arch.fmax(x, -x)
         s = a * a

@@ -27,7 +27,10 @@ GPU implementations (decode: the weights are the bytes):
   * ``moe_in``: the CuTe DSL GEMV's grouped form (``skinny_gemm.cute_gemv.MoEInGemv``):
     router, latent and the shared gate / up block share x and one launch, M <= 4; the
     last router CTA also chooses the experts (top_k <= 32) while the rest still stream,
-    else ``select_experts`` runs after it;
+    else ``select_experts`` runs after it. Past 4 rows (up to 64) a Triton form
+    (``run_in``): one launch of 64-row weight tiles on the tensor cores' M side, a shared
+    tile holding 32 gate and the matching 32 up rows, ``select_experts`` after it; not yet
+    timed, so taken only with ``KIMI_INDUCTOR_MOE_IN_ROWS`` (``in_triton_rows``);
   * ``moe_out``: Triton, one program per BN output columns: h and the normalised latent's
     block against the two weights' column blocks, one K loop each (tensor-core ``tl.dot``,
     rows padded to 16), M <= 64.
@@ -37,6 +40,7 @@ Elsewhere (CPU, other shapes) the references: the stock math of the replaced ops
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -44,7 +48,7 @@ from torch import Tensor
 from kimi_inductor.stock.layers import situ_and_mul
 from kimi_inductor.stock.moe import router_logits
 
-from .common import INTERPRET, bf16_round, pdl, pdl_wait, tl, triton
+from .common import INTERPRET, SMS, bf16_round, pdl, pdl_wait, situ, tl, triton
 from . import skinny_gemm
 
 NAMESPACE = "kimi_kernels"
@@ -60,19 +64,24 @@ def blocks(width: int, shard: int, shards: int) -> tuple[int, int]:
 
 def implementation_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor,
                       shards: int) -> tuple[str, str]:
-    """(name, why) of what ``moe_in`` runs for these operands: 'cute' or 'reference'."""
+    """(name, why) of what ``moe_in`` runs for these operands: 'cute' (M <= MAX_ROWS_IN),
+    'triton' (past it, up to ``in_triton_rows``) or 'reference'."""
     M, K = x.shape
     if x.device.type != "cuda":
         return "reference", f"on {x.device.type}"
-    if skinny_gemm.cute_available():
-        return "reference", skinny_gemm.cute_available()
-    if M > MAX_ROWS_IN:
-        return "reference", f"{M} rows > {MAX_ROWS_IN}"
     weights = (router_weight, latent_weight, gate_up_weight)
     if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
         return "reference", "not bf16"
     if not all(w.is_contiguous() for w in weights):
-        return "reference", "a weight is not contiguous (the GEMV streams whole rows)"
+        return "reference", "a weight is not contiguous (the kernels stream whole rows)"
+    if M > MAX_ROWS_IN:
+        if M > in_triton_rows():
+            return "reference", f"{M} rows > {max(MAX_ROWS_IN, in_triton_rows())}"
+        if triton is None or K % 16 or (gate_up_weight.shape[0] // 2) % shards:
+            return "reference", "Triton is not installed" if triton is None else f"K = {K} or the shard"
+        return "triton", ""
+    if skinny_gemm.cute_available():
+        return "reference", skinny_gemm.cute_available()
     return _cute_shapes(M, K, router_weight.shape[0], latent_weight.shape[0], gate_up_weight.shape[0] // 2, shards)
 
 
@@ -112,10 +121,13 @@ def moe_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weig
            shards: int, beta: float, linear_beta: float, bias: Tensor | None = None, top_k: int = 0,
            renormalize: bool = False, scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     M = x.shape[0]
-    if implementation_in(x, router_weight, latent_weight, gate_up_weight, shards)[0] == "reference":
+    impl = implementation_in(x, router_weight, latent_weight, gate_up_weight, shards)[0]
+    routing = None
+    if impl == "reference":
         logits, z, h = moe_in_reference(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta,
                                         linear_beta)
-        routing = None
+    elif impl == "triton":
+        logits, z, h = run_in(x, router_weight, latent_weight, gate_up_weight, shard, shards, beta, linear_beta)
     else:
         from .skinny_gemm import cute_gemv
 
@@ -206,6 +218,83 @@ if triton is not None:
         out = _block_dot(y_ptr, wu_ptr, rm, rn, m_ok, n_ok, stride_y, stride_wu, shared, LS, BK, DOT_F32)
         tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _moe_in_kernel(x_ptr, wr_ptr, wl_ptr, wgu_ptr, logits_ptr, z_ptr, h_ptr, M, E, L, DG, a0, D, stride_x,
+                       beta, linear_beta, TR, TL, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        """Program t streams BN weight rows against x^T (the weight on the MMA's M side):
+        t < TR the router's rows (fp32 logits), t < TR + TL the latent's (bf16 z), else
+        BN / 2 shared outputs j: gate row a0 + j and up row D + a0 + j in one tile, whose
+        halves meet in the SiTU (stock's rounding points: gate and up rounded to bf16)."""
+        pdl_wait(PDL)
+        t = tl.program_id(0)
+        HALF: tl.constexpr = BN // 2
+        r = tl.arange(0, BN)
+        rm = tl.arange(0, BM)
+        if t < TR:
+            rows = t * BN + r
+            live = rows < E
+            w_ptr = wr_ptr
+        elif t < TR + TL:
+            rows = (t - TR) * BN + r
+            live = rows < L
+            w_ptr = wl_ptr
+        else:
+            j = (t - TR - TL) * HALF + r % HALF
+            live = j < DG
+            rows = a0 + j + (r >= HALF).to(tl.int32) * D
+            w_ptr = wgu_ptr
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], mask=live[:, None], other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm < M)[:, None], other=0.0)
+            acc = _dot(w, x, acc, DOT_F32)  # acc^T [BN, BM] += W x^T
+        mask = live[:, None] & (rm < M)[None, :]
+        if t < TR:
+            tl.store(logits_ptr + rm[None, :] * E + rows[:, None], acc, mask=mask)
+        elif t < TR + TL:
+            tl.store(z_ptr + rm[None, :] * L + rows[:, None], acc.to(z_ptr.dtype.element_ty), mask=mask)
+        else:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF, BM]), (1, 2, 0)))  # rows j, HALF + j
+            act = situ(bf16_round(gate, True), bf16_round(up, True), beta, linear_beta)
+            jh = (t - TR - TL) * HALF + tl.arange(0, HALF)
+            tl.store(h_ptr + rm[None, :] * DG + jh[:, None], act.to(h_ptr.dtype.element_ty),
+                     mask=(jh < DG)[:, None] & (rm < M)[None, :])
+
+
+def in_triton_rows() -> int:
+    """The most rows the Triton ``moe_in`` takes past the CuTe GEMV's ``MAX_ROWS_IN``: none
+    until timed against the ops it replaces (``KIMI_INDUCTOR_MOE_IN_ROWS=64`` turns it on
+    up to 64 rows, to measure it)."""
+    return min(MAX_ROWS_OUT, int(os.environ.get("KIMI_INDUCTOR_MOE_IN_ROWS", MAX_ROWS_IN)))
+
+
+def run_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor, shard: int,
+           shards: int, beta: float, linear_beta: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits, z, h) of ``moe_in`` in one Triton launch, M <= 64: 64 weight rows per
+    program (the router's, the latent's, or 32 gate + 32 up rows of the shared block),
+    all of K, no split (K3 at G = 8: 14 + 56 + 24 programs)."""
+    M, K = x.shape
+    E, L, D = router_weight.shape[0], latent_weight.shape[0], gate_up_weight.shape[0] // 2
+    a0, DG = blocks(D, shard, shards)
+    BN, BK = 64, min(128, triton.next_power_of_2(K))
+    assert K % BK == 0 and x.stride(1) == 1 and all(w.is_contiguous() for w in (router_weight, latent_weight,
+                                                                                 gate_up_weight))
+    TR, TL, TS = triton.cdiv(E, BN), triton.cdiv(L, BN), triton.cdiv(DG, BN // 2)
+    logits = torch.empty(M, E, dtype=torch.float32, device=x.device)
+    z = torch.empty(M, L, dtype=x.dtype, device=x.device)
+    h = torch.empty(M, DG, dtype=x.dtype, device=x.device)
+    tiles = TR + TL + TS
+    _moe_in_kernel[(tiles,)](
+        x, router_weight, latent_weight, gate_up_weight, logits, z, h, M, E, L, DG, a0, D, x.stride(0), beta,
+        linear_beta, TR, TL, K=K, BM=max(16, triton.next_power_of_2(M)), BN=BN, BK=BK, DOT_F32=INTERPRET,
+        num_warps=4, num_stages=3 if tiles > SMS else 5, **pdl(x.device))  # tl_dot.config's stages
+    return logits, z, h
 
 
 @functools.lru_cache(maxsize=None)

@@ -325,8 +325,8 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
 
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
           "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
-          "moe_in": "router + latent down + shared gate/up SiTU (one GEMV)",
-          "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one GEMV)",
+          "moe_in": "router + latent down + shared gate/up SiTU (one launch)",
+          "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one launch)",
           "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}
 
 

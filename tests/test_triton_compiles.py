@@ -222,6 +222,27 @@ def test_moe_out_and_select_experts_kernels_compile_for_sm90():
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("M", [8, 64])
+def test_triton_moe_in_compiles_for_sm90_to_pipelined_wgmma(M):
+    """K3 at G = 8: every tile (router, latent, 32 gate + 32 up rows) is a 64-row ``wgmma``
+    side streamed through ``cp.async`` stages, with PDL."""
+    from kimi_inductor.kernels import moe_projections
+
+    sig = {"x_ptr": "*bf16", "wr_ptr": "*bf16", "wl_ptr": "*bf16", "wgu_ptr": "*bf16", "logits_ptr": "*fp32",
+           "z_ptr": "*bf16", "h_ptr": "*bf16", **{k: "i32" for k in ("M", "E", "L", "DG", "a0", "D", "stride_x")},
+           "beta": "fp32", "linear_beta": "fp32", "TR": "i32", "TL": "i32",
+           **{k: "constexpr" for k in ("K", "BM", "BN", "BK", "DOT_F32", "PDL")}}
+    aligned = ("x_ptr", "wr_ptr", "wl_ptr", "wgu_ptr", "logits_ptr", "z_ptr", "h_ptr", "E", "L", "DG", "a0", "D",
+               "stride_x")
+    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    src = ASTSource(moe_projections._moe_in_kernel, sig, attrs=attrs,
+                    constexprs={"K": 7168, "BM": max(16, M), "BN": 64, "BK": 128, "DOT_F32": False, "PDL": True})
+    ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 5}).asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{max(16, M)}k16.f32.bf16" in ptx
+    assert "cp.async.cg" in ptx and "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 def test_mla_cache_insert_and_combine_compile_for_sm90():
     """The MLA cache write and the splits' merge, with PDL as they launch on the H200."""
     from kimi_inductor.kernels import mla_decode

@@ -54,6 +54,23 @@ def test_moe_out_matches_its_reference(M, shard, shards):
     assert (err <= 2.0**-7 * (want.float().abs() + shared.abs()) + 1e-3).all(), err.max()
 
 
+@pytest.mark.skipif(DEVICE != "cuda" and not mp.INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("M", [5, 8, 64])
+@pytest.mark.parametrize("shard, shards", [(0, 1), (1, 2), (3, 8)])
+def test_moe_in_triton_matches_its_reference(M, shard, shards):
+    """The Triton moe_in (past the CuTe GEMV's rows): logits are fp32 sums of exact
+    products (1e-5), the latent one bf16 rounding, h stock's SiTU rounding points (one bf16
+    ulp of gate / up, two of h); rows masked past M, padded to 16 / 64."""
+    w = weights(*SHAPE)
+    x = rows(M, SHAPE[0], M)
+    want = mp.moe_in_reference(x, w["router"], w["latent"], w["gate_up"], shard, shards, *SITU)
+    got = mp.run_in(x, w["router"], w["latent"], w["gate_up"], shard, shards, *SITU)
+    for g, ref, tol in zip(got, want, (1e-5, 2.0**-7, 2.0**-6)):
+        assert g.shape == ref.shape and g.dtype == ref.dtype
+        err = (g.float() - ref.float()).abs()
+        assert (err <= tol * ref.float().abs().clamp_min(1.0) + 1e-4).all(), err.max()
+
+
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
