@@ -219,9 +219,6 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-
-if triton is not None:
-
     @triton.jit
     def _moe_in_kernel(x_ptr, wr_ptr, wl_ptr, wgu_ptr, logits_ptr, z_ptr, h_ptr, M, E, L, DG, a0, D, stride_x,
                        beta, linear_beta, TR, TL, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
