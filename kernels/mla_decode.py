@@ -20,12 +20,6 @@ request) against a chunk of the request's positions:
   log-sum-exp weights and rounds once to bf16: a program per (row, L block) loads every
   split's partial at once ([SPLITS, BL]), so its latency does not grow with the splits.
 
-MMA orientation. With BM = 16 rows (q = 1 at TP8: 12 heads) both products are
-``mma.sync`` tiles 16 rows tall. ``SWAP`` puts the positions on the M side instead
-(S^T = K Q^T, acc^T [L, BM] += V^T P^T: the P V product a ``wgmma`` with M = L, the
-cache tile its A operand in shared memory). Not yet timed, so off by default
-(``swapped``; ``benchmarks/mla_kernel.py --swap 0 1`` sweeps it).
-
 Before them ``_insert_kernel`` (``insert``) writes the step's rows into the cache: one
 program per token stores [kv_c | k_pe] at its slot, in place of the cat and the indexed
 write stock's reference runs as separate ATen kernels.
@@ -56,7 +50,6 @@ reads the top-k rows, whatever the context; splits divide the list, not the cont
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -93,7 +86,7 @@ if triton is not None:
                           acc_ptr, ml_ptr, N, Q, R_DIM, scale, dcp_rank, dcp_size,
                           L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
                           BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, HAS_LIST: tl.constexpr,
-                          DOT_F32: tl.constexpr, ROUND: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
+                          DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         r = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # (token j, head n) pairs of request r
@@ -122,12 +115,7 @@ if triton is not None:
         end = tl.minimum(start + chunk, local_len)
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], dtype=tl.float32)
-        if SWAP:  # the positions on the MMA's M side: S^T = K Q^T, acc^T [L, BM] += V^T P^T
-            acc = tl.zeros([L, BM], dtype=tl.float32)
-            qn, qp = tl.trans(qn), tl.trans(qp)
-        else:
-            acc = tl.zeros([BM, L], dtype=tl.float32)
-        precision: tl.constexpr = "ieee" if DOT_F32 else None
+        acc = tl.zeros([BM, L], dtype=tl.float32)
         for p0 in range(start, end, BS):
             pos = p0 + tl.arange(0, BS)
             pmask = pos < end
@@ -141,11 +129,9 @@ if triton is not None:
             if DOT_F32:
                 kv = kv.to(tl.float32)
                 kp = kp.to(tl.float32)
-            if SWAP:
-                s = tl.trans(tl.dot(kv, qn, input_precision=precision) + tl.dot(kp, qp, input_precision=precision))
+                s = tl.dot(qn, tl.trans(kv), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
             else:
-                s = tl.dot(qn, tl.trans(kv), input_precision=precision) + tl.dot(qp, tl.trans(kp),
-                                                                                 input_precision=precision)
+                s = tl.dot(qn, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
             where = (pos // BLOCK) * BLOCK * dcp_size + (pos % BLOCK) * dcp_size + dcp_rank  # global position
             visible = (where[None, :] <= last[:, None]) & pmask[None, :]
             if HAS_SEL:
@@ -157,19 +143,16 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
             l = l * alpha + tl.sum(p, 1)
-            p = bf16_round(p, ROUND) if DOT_F32 else p.to(kv.dtype)
-            if SWAP:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(kv), tl.trans(p), input_precision=precision)
+            if DOT_F32:
+                pv = tl.dot(bf16_round(p, ROUND), kv, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision=precision)
+                pv = tl.dot(p.to(kv.dtype), kv)
+            acc = acc * alpha[:, None] + pv
             m = m_new
         out_rows = r * Q * N + rows
         nrows = tl.num_programs(0) * Q * N
-        at = (split * nrows + out_rows).to(tl.int64) * L
-        if SWAP:
-            tl.store(acc_ptr + at[None, :] + dl[:, None], acc, mask=rmask[None, :])
-        else:
-            tl.store(acc_ptr + at[:, None] + dl[None, :], acc, mask=rmask[:, None])
+        tl.store(acc_ptr + (split * nrows + out_rows)[:, None].to(tl.int64) * L + dl[None, :], acc,
+                 mask=rmask[:, None])
         tl.store(ml_ptr + (split * nrows + out_rows) * 2, m, mask=rmask)
         tl.store(ml_ptr + (split * nrows + out_rows) * 2 + 1, l, mask=rmask)
 
@@ -236,12 +219,6 @@ def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = No
                          ROW=cache.shape[-1], num_warps=1, **pdl(a.device))
 
 
-def swapped() -> bool:
-    """Whether the split kernel puts the positions on the MMA's M side (``SWAP``): off
-    until timed (``KIMI_INDUCTOR_MLA_SWAP=1`` turns it on, to measure it)."""
-    return os.environ.get("KIMI_INDUCTOR_MLA_SWAP", "0") == "1"
-
-
 def tiles(bm: int) -> tuple[int, int]:
     """(BS positions per step, split cap) for BM rows: the best of the sweep in
     docs/results/mla_kernel_h200_v1.json at 128K context (16 rows: 32 / 256; 32 rows:
@@ -288,8 +265,7 @@ def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
 def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
            listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
-           most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None,
-           swap: bool | None = None):
+           most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
@@ -320,8 +296,8 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
         plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, scale, dcp_rank, dcp_size,
         L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
         HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
-        ROUND=ql_nope.dtype == torch.bfloat16, SWAP=swapped() if swap is None else swap,
-        num_warps=num_warps or max(4, bm // 4), num_stages=num_stages, **launch)
+        ROUND=ql_nope.dtype == torch.bfloat16, num_warps=num_warps or max(4, bm // 4), num_stages=num_stages,
+        **launch)
     sp = triton.next_power_of_2(n_split)
     bl = min(L, max(16, 4096 // sp))  # [SP, BL] partials per program: 32 fp32 values a thread at 4 warps
     _combine_kernel[(T * N, L // bl)](acc, ml, out, lse, T * N, n_split, L=L, BL=bl, SP=sp, WITH_LSE=with_lse,

@@ -143,19 +143,3 @@ def test_insert_takes_views_as_vllm_hands_them():
     write_cache(want, slots, torch.cat([kv_c, k_pe[:, 0]], dim=-1))
     M.insert(cache, slots, kv_c, k_pe)
     assert torch.equal(cache, want)
-
-
-@pytest.mark.skipif(DEVICE != "cuda" and not M.INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("R, q", [(3, 1), (2, 4)])
-def test_both_mma_orientations_match_stock(R, q, swap):
-    """The split kernel with the query rows on the MMA's M side and with the positions
-    there (``swap``), at the default tiles: the same attention as stock's."""
-    N, L, RD, block, per_req = SHAPES[0]
-    args, scale = _case(R, q, N, L, RD, block, per_req, torch.bfloat16, seed=3 * R + q)
-    want = M.reference(*args, scale)
-    ql, qp, kv_c, k_pe, cache, slots, table, seq = [a.clone() for a in args]
-    M.insert(cache, slots, kv_c, k_pe)
-    got = M.attend(ql, qp, cache, table, seq, scale, swap=swap)
-    bound = 2**-6 * want.float().abs().amax(-1, keepdim=True) + 1e-6
-    assert ((got.float() - want.float()).abs() <= bound).all()
