@@ -29,8 +29,8 @@ GPU implementations (decode: the weights are the bytes):
     last router CTA also chooses the experts (top_k <= 32) while the rest still stream,
     else ``select_experts`` runs after it. Past 4 rows (up to 64) a Triton form
     (``run_in``): one launch of 64-row weight tiles on the tensor cores' M side, a shared
-    tile holding 32 gate and the matching 32 up rows, ``select_experts`` after it; not yet
-    timed, so taken only with ``KIMI_INDUCTOR_MOE_IN_ROWS`` (``in_triton_rows``);
+    tile holding 32 gate and the matching 32 up rows, ``select_experts`` after it
+    (``in_triton_rows``: 1.33-1.37x faster than the ops it replaces at 8-64 rows, H100);
   * ``moe_out``: Triton, one program per BN output columns: h and the normalised latent's
     block against the two weights' column blocks, one K loop each (tensor-core ``tl.dot``,
     rows padded to 16), M <= 64.
@@ -265,10 +265,12 @@ if triton is not None:
 
 
 def in_triton_rows() -> int:
-    """The most rows the Triton ``moe_in`` takes past the CuTe GEMV's ``MAX_ROWS_IN``: none
-    until timed against the ops it replaces (``KIMI_INDUCTOR_MOE_IN_ROWS=64`` turns it on
-    up to 64 rows, to measure it)."""
-    return min(MAX_ROWS_OUT, int(os.environ.get("KIMI_INDUCTOR_MOE_IN_ROWS", MAX_ROWS_IN)))
+    """The most rows the Triton ``moe_in`` takes past the CuTe GEMV's ``MAX_ROWS_IN``: 64.
+    The sharded MoE layer's non-expert work with it against the ops it replaces, side by
+    side on an H100 (``benchmarks/moe_sharding.py``, docs/results/session12_h100/): 49.9 /
+    50.5 / 51.2 / 55.3 us against 66.4 / 67.5 / 70.1 / 75.0 at 8 / 16 / 32 / 64 rows (5-7
+    rows not timed). ``KIMI_INDUCTOR_MOE_IN_ROWS=4`` turns it off, to measure it."""
+    return min(MAX_ROWS_OUT, int(os.environ.get("KIMI_INDUCTOR_MOE_IN_ROWS", MAX_ROWS_OUT)))
 
 
 def run_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor, shard: int,

@@ -72,8 +72,8 @@ def _bind_in(x: fx.Node, region: set[fx.Node], gemms: dict, gate_up: list[fx.Nod
     most = max(kernel.MAX_ROWS_IN, kernel.in_triton_rows())
     if not isinstance(rows, int) or rows > most:
         return (f"moe_in: {rows} rows (its Triton form takes up to {most})" if most > kernel.MAX_ROWS_IN else
-                f"moe_in: {rows} rows (the fused GEMV takes up to {kernel.MAX_ROWS_IN}; its Triton form past "
-                "that is not yet timed: KIMI_INDUCTOR_MOE_IN_ROWS)")
+                f"moe_in: {rows} rows (the fused GEMV takes up to {kernel.MAX_ROWS_IN}; its Triton form is off: "
+                "KIMI_INDUCTOR_MOE_IN_ROWS)")
     readers = {n: m for n, m in gemms.items() if m[0] is x}
     situ = [n for n in region if (m := situ_pair_of(n)) is not None and {m[0], m[1]} == set(gate_up)]
     if len(gate_up) != 2 or len(situ) != 1:

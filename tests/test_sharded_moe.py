@@ -201,12 +201,13 @@ def test_lower_kernels_runs_each_sharded_layer_in_two_projection_launches(fake_w
     assert f", 0, {world}, 4, 25, " in text and ", 2, True, " in text  # rank 0 of G, SiTU's betas, top 2
 
 
-def test_moe_projections_keep_the_ops_with_the_reason(fake_world):
-    """Past the fused GEMV's rows (3 requests + 1 padding, q = 4: 16) moe_in is not formed
-    (moe_out still is); the report says why."""
+def test_moe_projections_keep_the_ops_with_the_reason(fake_world, monkeypatch):
+    """With moe_in's Triton form off, past the fused GEMV's rows (3 requests + 1 padding,
+    q = 4: 16) moe_in is not formed (moe_out still is); the report says why."""
+    monkeypatch.setenv("KIMI_INDUCTOR_MOE_IN_ROWS", "4")
     backend, _ = compile_tiny(group=fake_world(2), q=4, requests=3, padding=1)
     info = next(p for p in backend.report.passes if p.name == "lower_kernels")
-    assert any("x kept: MoE projections: moe_in: 16 rows (the fused GEMV takes up to 4; its Triton form" in s
+    assert any("x kept: MoE projections: moe_in: 16 rows (the fused GEMV takes up to 4; its Triton form is off" in s
                for s in info.skipped), info.skipped
     moe = [l for l in backend.report.layers if l.mlp == "moe"]
     assert all("shared down + up (one GEMM) x1" in l.notes["kernels"] for l in moe)
@@ -214,10 +215,9 @@ def test_moe_projections_keep_the_ops_with_the_reason(fake_world):
     assert not any("latent down" in l.notes["kernels"] for l in moe)
 
 
-def test_moe_in_past_the_gemv_rows_when_its_triton_form_is_on(fake_world, monkeypatch):
-    """``KIMI_INDUCTOR_MOE_IN_ROWS=64`` (the Triton moe_in, not yet dispatched by default):
-    at 16 rows moe_in is formed as at 4, and the report keeps nothing of the projections."""
-    monkeypatch.setenv("KIMI_INDUCTOR_MOE_IN_ROWS", "64")
+def test_moe_in_past_the_gemv_rows_takes_its_triton_form(fake_world):
+    """At 16 rows (past the CuTe GEMV's 4) moe_in is formed as at 4 (its Triton form runs
+    on the GPU), and the report keeps nothing of the projections."""
     backend, _ = compile_tiny(group=fake_world(2), q=4, requests=3, padding=1)
     info = next(p for p in backend.report.passes if p.name == "lower_kernels")
     assert not [s for s in info.skipped if "MoE projections" in s], info.skipped
