@@ -34,8 +34,8 @@ SHAPES = {  # name: (N, K, out dtype) per rank at TP8 (kimi_k3_stock.md section 
     "moe_latent_up": (7168, 3584, torch.bfloat16),
     "shared_gate_up": (12288, 7168, torch.bfloat16),
     "shared_down": (7168, 6144, torch.bfloat16),
-    # sharded_moe past moe_in's 4 rows: the shared experts' gate and up row blocks, each
-    # its own GEMM (not yet in skinny_gemm.FASTEST, so on cuBLAS)
+    # sharded_moe's shared gate and up row blocks, each its own GEMM where moe_in does not
+    # take them (not in skinny_gemm.FASTEST, so on cuBLAS)
     "shared_gate_g8": (768, 7168, torch.bfloat16),
     "shared_gate_g2": (3072, 7168, torch.bfloat16),
 }

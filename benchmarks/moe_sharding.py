@@ -24,8 +24,8 @@ limits, else the GEMMs as the pass leaves them and ``kimi_kernels.select_experts
 latent RMSNorm compiled by Inductor), its output checked against the sharded form's.
 ``--sweep`` also times the ops' configurations alone (moe_in with and without the
 choice; past 4 rows its Triton form, without it) and the ops each replaces; ``--profile``
-lists the kimi layer's kernels. ``KIMI_INDUCTOR_MOE_IN_ROWS=64`` gives the kimi layer
-moe_in's Triton form past 4 rows, as it gives lower_kernels.
+lists the kimi layer's kernels. ``KIMI_INDUCTOR_MOE_IN_ROWS=4`` takes moe_in's Triton form
+past 4 rows away from the kimi layer, as from lower_kernels (the A/B of session 12).
 
     python benchmarks/moe_sharding.py --rows 1 2 8 32 64 --ranks 8 --sweep --profile --json X
 """
@@ -103,8 +103,7 @@ def projections_out(h, normed, w, shard, shards, fused):
 def kimi_layer(x, y, w, cfg, shard, shards):
     """The sharded layer as lower_kernels emits it (rank ``shard`` of ``shards``)."""
     M = x.shape[0]
-    fused_in = M <= max(moe_projections.MAX_ROWS_IN, moe_projections.in_triton_rows())  # as lower_kernels
-    logits, z, h, weights, ids = projections_in(x, w, cfg, shard, shards, fused_in)
+    logits, z, h, weights, ids = projections_in(x, w, cfg, shard, shards, M <= moe_projections.max_rows_in())
     normed = rms_norm(y, w["norm"], cfg.rms_norm_eps)
     out = projections_out(h, normed, w, shard, shards, M <= moe_projections.MAX_ROWS_OUT)
     return out, z, weights, ids

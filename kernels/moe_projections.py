@@ -48,8 +48,9 @@ from torch import Tensor
 from kimi_inductor.stock.layers import situ_and_mul
 from kimi_inductor.stock.moe import router_logits
 
-from .common import INTERPRET, SMS, bf16_round, pdl, pdl_wait, situ, tl, triton
+from .common import INTERPRET, bf16_round, pdl, pdl_wait, situ, tl, triton
 from . import skinny_gemm
+from .skinny_gemm import tl_dot
 
 NAMESPACE = "kimi_kernels"
 MAX_ROWS_IN = 4  # measured faster than the ops it replaces up to 4 rows (49.6 vs 47.5 us at 8: H200)
@@ -75,8 +76,8 @@ def implementation_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, g
     if not all(w.is_contiguous() for w in weights):
         return "reference", "a weight is not contiguous (the kernels stream whole rows)"
     if M > MAX_ROWS_IN:
-        if M > in_triton_rows():
-            return "reference", f"{M} rows > {max(MAX_ROWS_IN, in_triton_rows())}"
+        if M > max_rows_in():
+            return "reference", f"{M} rows > {max_rows_in()}"
         if triton is None or K % 16 or (gate_up_weight.shape[0] // 2) % shards:
             return "reference", "Triton is not installed" if triton is None else f"K = {K} or the shard"
         return "triton", ""
@@ -273,6 +274,11 @@ def in_triton_rows() -> int:
     return min(MAX_ROWS_OUT, int(os.environ.get("KIMI_INDUCTOR_MOE_IN_ROWS", MAX_ROWS_OUT)))
 
 
+def max_rows_in() -> int:
+    """The most rows ``moe_in`` takes on the GPU (the CuTe GEMV's or its Triton form's)."""
+    return max(MAX_ROWS_IN, in_triton_rows())
+
+
 def run_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weight: Tensor, shard: int,
            shards: int, beta: float, linear_beta: float) -> tuple[Tensor, Tensor, Tensor]:
     """(logits, z, h) of ``moe_in`` in one Triton launch, M <= 64: 64 weight rows per
@@ -292,7 +298,7 @@ def run_in(x: Tensor, router_weight: Tensor, latent_weight: Tensor, gate_up_weig
     _moe_in_kernel[(tiles,)](
         x, router_weight, latent_weight, gate_up_weight, logits, z, h, M, E, L, DG, a0, D, x.stride(0), beta,
         linear_beta, TR, TL, K=K, BM=max(16, triton.next_power_of_2(M)), BN=BN, BK=BK, DOT_F32=INTERPRET,
-        num_warps=4, num_stages=3 if tiles > SMS else 5, **pdl(x.device))  # tl_dot.config's stages
+        num_warps=4, num_stages=tl_dot.stages(tiles), **pdl(x.device))
     return logits, z, h
 
 

@@ -19,7 +19,7 @@ Each op computes the replaced ops' function (its CPU reference is them; on CPU t
 lowered layer is the unlowered one). Only these exact shapes are taken: anything else
 in the layer (another GEMM reading x, a second reader of a GEMM output, blocks of
 different ranks) keeps the ops as they were, and the report says why. Rows: moe_in
-up to ``MAX_ROWS_IN`` (or ``in_triton_rows()``), moe_out up to ``MAX_ROWS_OUT`` (the GPU
+up to ``max_rows_in()``, moe_out up to ``MAX_ROWS_OUT`` (the GPU
 kernels' limits).
 """
 
@@ -69,7 +69,7 @@ def bind(layer: Layer) -> SimpleNamespace | None:
 
 def _bind_in(x: fx.Node, region: set[fx.Node], gemms: dict, gate_up: list[fx.Node]) -> SimpleNamespace | str:
     rows = x.meta["val"].shape[0]
-    most = max(kernel.MAX_ROWS_IN, kernel.in_triton_rows())
+    most = kernel.max_rows_in()
     if not isinstance(rows, int) or rows > most:
         return (f"moe_in: {rows} rows (its Triton form takes up to {most})" if most > kernel.MAX_ROWS_IN else
                 f"moe_in: {rows} rows (the fused GEMV takes up to {kernel.MAX_ROWS_IN}; its Triton form is off: "

@@ -12,6 +12,12 @@ from kimi_inductor.kernels import dsa_index  # noqa: E402
 SM90 = GPUTarget("cuda", 90, 32)
 
 
+def aligned(sig: dict, names) -> dict:
+    """``ASTSource`` attrs: these arguments 16-byte divisible, as the launcher specialises
+    aligned pointers and strides (without it the compile emits no ``cp.async``)."""
+    return {(list(sig).index(name),): [["tt.divisibility", 16]] for name in names}
+
+
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 @pytest.mark.parametrize("q", [1, 4])
 def test_dsa_select_kernel_compiles_for_sm90(q):
@@ -64,8 +70,8 @@ def skinny_gemm_ptx(M: int, dtype: str, dot_f32: bool) -> str:
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
            "stride_w": "i32", "stride_acc": "i32", "stride_out": "i32", "SPLIT": "i32",
            **{k: "constexpr" for k in ("BM", "BN", "BK", "REDUCE", "HAS_ACC", "DOT_F32", "TMA", "PDL")}}
-    aligned = ("x_ptr", "w_ptr", "acc_ptr", "out_ptr", "ws_ptr", "K", "stride_x", "stride_w", "stride_acc", "stride_out")
-    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = aligned(sig, ("x_ptr", "w_ptr", "acc_ptr", "out_ptr", "ws_ptr", "K", "stride_x", "stride_w", "stride_acc",
+                          "stride_out"))
     cfg = tl_dot.config(M, 2304, 1536, 4 if dtype == "fp32" else 2)
     assert cfg.split > 1
     constexprs = {"BM": max(16, M), "BN": cfg.bn, "BK": cfg.bk, "REDUCE": cfg.split > 1, "HAS_ACC": True,
@@ -232,9 +238,8 @@ def test_triton_moe_in_compiles_for_sm90_to_pipelined_wgmma(M):
            "z_ptr": "*bf16", "h_ptr": "*bf16", **{k: "i32" for k in ("M", "E", "L", "DG", "a0", "D", "stride_x")},
            "beta": "fp32", "linear_beta": "fp32", "TR": "i32", "TL": "i32",
            **{k: "constexpr" for k in ("K", "BM", "BN", "BK", "DOT_F32", "PDL")}}
-    aligned = ("x_ptr", "wr_ptr", "wl_ptr", "wgu_ptr", "logits_ptr", "z_ptr", "h_ptr", "E", "L", "DG", "a0", "D",
-               "stride_x")
-    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = aligned(sig, ("x_ptr", "wr_ptr", "wl_ptr", "wgu_ptr", "logits_ptr", "z_ptr", "h_ptr", "E", "L", "DG", "a0",
+                          "D", "stride_x"))
     src = ASTSource(moe_projections._moe_in_kernel, sig, attrs=attrs,
                     constexprs={"K": 7168, "BM": max(16, M), "BN": 64, "BK": 128, "DOT_F32": False, "PDL": True})
     ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 5}).asm["ptx"]
@@ -276,8 +281,8 @@ def test_mla_split_kernel_compiles_for_sm90(has_list):
            "scale": "fp32", "dcp_rank": "i32", "dcp_size": "i32",
            **{k: "constexpr" for k in ("L", "RP", "ROW", "BLOCK", "BM", "BS", "HAS_SEL", "HAS_LIST", "DOT_F32",
                                        "ROUND", "PDL")}}
-    aligned = [n for n in sig if n.endswith("_ptr")] + ["stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h"]
-    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = aligned(sig, [n for n in sig if n.endswith("_ptr")] + ["stride_qn_t", "stride_qn_h", "stride_qp_t",
+                                                                   "stride_qp_h"])
     constexprs = {"L": 512, "RP": 64, "ROW": 576, "BLOCK": 64, "BM": 16, "BS": mla_decode.BS, "HAS_SEL": False,
                   "HAS_LIST": has_list, "DOT_F32": False, "ROUND": True, "PDL": True}
     src = ASTSource(mla_decode._mla_split_kernel, sig, constexprs=constexprs, attrs=attrs)

@@ -121,11 +121,15 @@ def config(M: int, N: int, K: int, itemsize: int = 2) -> Tile:
     (``benchmarks/gemm.py --tiles``, docs/results/gemm_h100_v1.json)."""
     tiles = triton.cdiv(N, 64)
     split = SMS // tiles if 3 * tiles <= SMS else 1
+    return Tile(64, 128, split, stages(tiles, split, itemsize), 4)
+
+
+def stages(tiles: int, split: int = 1, itemsize: int = 2) -> int:
+    """Pipeline stages of a weight-streaming grid of ``tiles`` x ``split`` CTAs (``config``'s
+    rule): 7 where under half the SMs have one, 5 up to one per SM, 3 beyond or for fp32."""
     if itemsize > 2 or tiles > SMS:
-        stages = 3
-    else:
-        stages = 7 if split == 1 and 2 * tiles <= SMS else 5
-    return Tile(64, 128, split, stages, 4)
+        return 3
+    return 7 if split == 1 and 2 * tiles <= SMS else 5
 
 
 def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype, cfg: Tile | None = None) -> Tensor:
