@@ -271,7 +271,11 @@ def in_triton_rows() -> int:
     side on an H100 (``benchmarks/moe_sharding.py``, docs/results/session12_h100/): 49.9 /
     50.5 / 51.2 / 55.3 us against 66.4 / 67.5 / 70.1 / 75.0 at 8 / 16 / 32 / 64 rows (5-7
     rows not timed). ``KIMI_INDUCTOR_MOE_IN_ROWS=4`` turns it off, to measure it."""
-    return min(MAX_ROWS_OUT, int(os.environ.get("KIMI_INDUCTOR_MOE_IN_ROWS", MAX_ROWS_OUT)))
+    value = os.environ.get("KIMI_INDUCTOR_MOE_IN_ROWS", str(MAX_ROWS_OUT))
+    if not value.isdigit():
+        raise ValueError(f"KIMI_INDUCTOR_MOE_IN_ROWS={value!r}: give a row count (4 turns moe_in's Triton form off, "
+                         f"{MAX_ROWS_OUT} is the default)")
+    return min(MAX_ROWS_OUT, int(value))
 
 
 def max_rows_in() -> int:
