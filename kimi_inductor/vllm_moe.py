@@ -1,4 +1,5 @@
-"""``kimi_vllm::mega_moe``: vLLM's K3 MoE layer run through our expert-parallel op.
+"""``kimi_vllm::mega_moe``: vLLM's K3 MoE layer run through our expert-parallel op;
+``kimi_vllm::sharded_moe``: the same layer on all rows, split over the TP group.
 
     (shared, routed) = kimi_vllm.mega_moe(latent, router_logits, shared_in, layer_name)
 
@@ -40,6 +41,14 @@ forward context and uses, as loaded:
 The routed experts then run as ``kimi_kernels::mega_moe`` over vLLM's EP group
 (dispatch all-gather, grouped experts, combine reduce-scatter; DeepGEMM on SM100). The
 layer's ``max_num_tokens`` bounds the rows.
+
+    (shared_r, routed_r) = kimi_vllm.sharded_moe(latent, router_logits, shared_in, layer_name)
+
+takes all T rows of the hybrid step (the ``sharded_moe`` pass puts it where either op
+was) and returns this rank's partials: shared_r [T, H] bf16 (the shared experts' width
+block r of G) and routed_r [T, L] fp32 (this rank's local experts on every row, through
+``kimi_kernels::expert_ffn``); the graph sums each over the TP group, which must be the
+EP group.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import torch
 from torch import Tensor
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name
 
+from .kernels import expert_ffn
 from .kernels import mega_moe as ep
 
 NAMESPACE = "kimi_vllm"
@@ -200,27 +210,108 @@ def _group_name(runner) -> str:
     return get_ep_group().device_group.group_name if runner.moe_config.ep_size > 1 else ""
 
 
+def _routing(runner, latent: Tensor, router_logits: Tensor, pad: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(weights [c, k] fp32, ids [c, k] int32) by vLLM's router; padding rows: weight 0, id -1."""
+    weights, ids = runner.router.select_experts(hidden_states=latent, router_logits=router_logits)
+    if pad is not None:
+        weights = weights.masked_fill(pad[:, None], 0.0)
+        ids = ids.masked_fill(pad[:, None], -1)
+    return weights.float(), ids.int()
+
+
+def _betas(runner) -> tuple[float, float]:
+    config = runner.moe_config
+    betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+    if None in betas:
+        raise ValueError(f"layer {runner.layer_name}: kimi_vllm's MoE ops run SiTU experts with both betas set; its "
+                         f"MoE config has activation_situ_beta, activation_situ_linear_beta = {betas}")
+    return betas
+
+
 @torch.library.custom_op(f"{NAMESPACE}::mega_moe", mutates_args=())
 def mega_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
              layer_name: LayerNameType) -> tuple[Tensor, Tensor]:
     runner = _layer(layer_name)
     config = runner.moe_config
     shared = runner._shared_experts._layer(shared_in)
-    weights, ids = runner.router.select_experts(hidden_states=latent, router_logits=router_logits)
-    pad = _padding(latent.shape[0], config.is_sequence_parallel)
-    if pad is not None:
-        weights = weights.masked_fill(pad[:, None], 0.0)
-        ids = ids.masked_fill(pad[:, None], -1)
+    weights, ids = _routing(runner, latent, router_logits, _padding(latent.shape[0], config.is_sequence_parallel))
     w13, w2, w13_scale, w2_scale, first = _experts(runner, latent.dtype)
-    betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
-    if None in betas:
-        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.mega_moe runs SiTU experts with both betas set; its "
-                         f"MoE config has activation_situ_beta, activation_situ_linear_beta = {betas}")
-    routed = ep.mega_moe(latent, weights.float(), ids.int(), w13, w2, first, _group_name(runner),
-                         config.max_num_tokens, *betas, w13_scale, w2_scale)
+    routed = ep.mega_moe(latent, weights, ids, w13, w2, first, _group_name(runner), config.max_num_tokens,
+                         *_betas(runner), w13_scale, w2_scale)
     return shared, routed
 
 
 @mega_moe.register_fake
 def _(latent, router_logits, shared_in, layer_name):
     return torch.empty_like(shared_in), torch.empty_like(latent)
+
+
+# ------------------------------------------------------------------- all rows, TP-sharded
+def tp_shard() -> tuple[int, int, str]:
+    """(G, r, '') for the sharded layout: this rank is r of the G-rank TP group, whose
+    ranks are also the EP group's (so the TP all-reduce sums every expert once); else
+    (G, r, why not)."""
+    from vllm.distributed import get_ep_group, get_tp_group
+
+    tp, ep = get_tp_group(), get_ep_group()
+    if (ep.world_size, ep.rank_in_group) != (tp.world_size, tp.rank_in_group):
+        return tp.world_size, tp.rank_in_group, (
+            f"vLLM's EP group ({ep.world_size} ranks, data parallel > 1) is not its TP group ({tp.world_size}): "
+            "the experts of other TP groups' rows cannot be summed by the TP all-reduce")
+    return tp.world_size, tp.rank_in_group, ""
+
+
+def _shared_partial(runner, x: Tensor, G: int, r: int) -> Tensor:
+    """x [T, H] -> this rank's partial [T, H] of the layer's shared experts: gate and up
+    rows s_r = [r D/G, (r + 1) D/G) of their width D, SiTU as vLLM's module applies it,
+    then columns s_r of the down-projection (bf16 GEMMs; the partials sum to the MLP).
+    Replicated weights are sliced (views); weights vLLM already TP-shards
+    (``VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT``) are the rank's block as they are."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    mlp = runner._shared_experts._layer
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if not all(isinstance(p.quant_method, UnquantizedLinearMethod) for p in (gate_up, down)):
+        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe splits unquantized shared experts; "
+                         f"these are {type(gate_up.quant_method).__name__}. Fix: set the decode option "
+                         "sharded_moe_rows to 0 (or leave 'sharded_moe' out of the passes)")
+    w_gu, w_down = gate_up.weight, down.weight
+    width = w_gu.shape[0] // 2
+    if getattr(mlp, "shard_sequence_parallel", False):
+        gate, up = w_gu[:width], w_gu[width:]
+    else:
+        if width % G:
+            raise ValueError(f"layer {runner.layer_name}: the shared experts' width {width} does not split over "
+                             f"{G} ranks. Fix: set the decode option sharded_moe_rows to 0")
+        d = width // G
+        gate, up, w_down = w_gu[r * d:(r + 1) * d], w_gu[width + r * d:width + (r + 1) * d], w_down[:, r * d:(r + 1) * d]
+    h = mlp.act_fn(torch.cat((x @ gate.t(), x @ up.t()), dim=1))
+    return h @ w_down.t()
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sharded_moe", mutates_args=())
+def sharded_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
+                layer_name: LayerNameType) -> tuple[Tensor, Tensor]:
+    """The layer on all T rows of the step (the hybrid step's), split over the TP group:
+    (shared [T, H] bf16, routed [T, L] fp32) are this rank's partials, the shared experts'
+    column block (``_shared_partial``) and the weighted sum of this rank's local experts
+    on every row (``kimi_kernels.expert_ffn``, ids of other ranks' experts skipped,
+    padding rows routed nowhere); summed over the group they are ``moe_forward_shared``'s
+    pair (the ``sharded_moe`` pass emits the sums). Rows: the step's rows in order, so
+    row t is ``forward_context.is_padding[t]``'s."""
+    runner = _layer(layer_name)
+    G, r, why = tp_shard()
+    if why:
+        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe needs {why}. Fix: set the decode option "
+                         "sharded_moe_rows to 0")
+    shared = _shared_partial(runner, shared_in, G, r)
+    weights, ids = _routing(runner, latent, router_logits, _padding(latent.shape[0], False))
+    w13, w2, w13_scale, w2_scale, first = _experts(runner, latent.dtype)
+    routed = expert_ffn.expert_ffn(latent, weights, ids - first if first else ids, w13, w2, *_betas(runner),
+                                   w13_scale, w2_scale)
+    return shared, routed
+
+
+@sharded_moe.register_fake
+def _(latent, router_logits, shared_in, layer_name):
+    return torch.empty_like(shared_in), latent.new_empty(latent.shape, dtype=torch.float32)

@@ -51,7 +51,8 @@ aten, prims = torch.ops.aten, torch.ops.prims
 kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
 
 
-OURS = {"kimi_kernels::mega_moe", "kimi_kernels::expert_ffn", "kimi_vllm::mega_moe"}  # what this pass emits
+OURS = {"kimi_kernels::mega_moe", "kimi_kernels::expert_ffn", "kimi_vllm::mega_moe",  # what this pass emits
+        "kimi_vllm::sharded_moe"}  # (and sharded_moe)
 
 
 class MegaMoE:

@@ -43,6 +43,14 @@ way); a GEMM over a column block of the shared width or the latent is a partial 
 all-reduce completes (bf16 partials, as stock's TP layout sums its shared expert).
 Padding rows are routed nowhere (expert id -1), as before.
 
+vLLM's MoE layer op ``(s, y) = moe(z, logits, x, name)`` (``vllm.moe_forward_shared``,
+or ``kimi_vllm.mega_moe`` in its place) holds the top-k, shared and routed experts; its
+router GEMM, latent down-projection, norm and up-projection are in the graph. The same
+rows and tail are taken, and the op becomes ``kimi_vllm.sharded_moe(z, logits, x, name)``
+on all rows, whose pair is this rank's partials (the shared experts' column block s_r
+in bf16, the local experts on every row in fp32): the graph sums y over the ranks (fp32
+all-reduce) and the tail as above. Kept when vLLM's EP group is not its TP group.
+
 Invariants. Relies on: the hybrid graph (``DecoderGraph.hybrid``), a static T, valid
 ``meta["val"]``. Establishes: every MoE layer it rewrites reads and writes T rows,
 identical on every rank; no all-gather remains in it; weight slices are views (row
@@ -56,6 +64,9 @@ lower_kernels.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import operator
 from types import SimpleNamespace
 from typing import Any
 
@@ -77,6 +88,7 @@ aten, prims = torch.ops.aten, torch.ops.prims
 kimi, kk = torch.ops.kimi, torch.ops.kimi_kernels
 
 EP_OPS = (kimi.ep_experts.default, kk.mega_moe.default)
+LAYER_OPS = {"vllm::moe_forward_shared", "kimi_vllm::mega_moe"}  # vLLM's whole MoE layer, and ours in its place
 
 
 class ShardedMoE:
@@ -100,9 +112,12 @@ class ShardedMoE:
             info.rewritten += 1
             ctx.note(layer.index, self.name, "moe_layout", plan.summary, rewritten=True)
             impl, because = expert_ffn.implementation(plan.x.meta["val"].device)
-            ctx.note(layer.index, MegaMoE.name, "moe", f"expert_ffn: the rank's local experts on every row (the EP "
-                     f"exchange replaced by sharded_moe); {'MXFP4' if plan.mxfp4 else 'bf16'} experts; {impl}: "
-                     f"{because}", rewritten=True)
+            experts = ("vLLM's experts as loaded, padding rows not routed" if getattr(plan, "layer_op", False) else
+                       f"{'MXFP4' if plan.mxfp4 else 'bf16'} experts")
+            what = ("kimi_vllm.sharded_moe: vLLM's router, the rank's block of its shared experts, "
+                    if getattr(plan, "layer_op", False) else "expert_ffn: ")
+            ctx.note(layer.index, MegaMoE.name, "moe", f"{what}the rank's local experts on every row (the EP exchange "
+                     f"replaced by sharded_moe); {experts}; {impl}: {because}", rewritten=True)
         return info
 
 
@@ -120,9 +135,12 @@ def _refusal(dg: DecoderGraph, max_rows: int) -> str:
 def _match(layer: Layer) -> "SimpleNamespace | str":
     """The layer's pieces (a namespace), or why it keeps the row shard."""
     E = OpCall.of(layer.moe.node)
-    if E is None or E.op not in EP_OPS:
-        return (f"{layer.moe.spelling} MoE op {layer.moe.node.target}: only the expert-parallel experts "
-                "op is taken (an opaque MoE layer op holds its shared experts and projections inside)")
+    whole = E is not None and layer.moe.kind == "layer" and E.op._schema.name in LAYER_OPS
+    if E is None or (E.op not in EP_OPS and not whole):
+        return (f"{layer.moe.spelling} MoE op {layer.moe.node.target}: only the expert-parallel experts op or "
+                "vLLM's MoE layer op is taken")
+    if whole and layer.moe.refusal:
+        return layer.moe.refusal
     shard, full = layer.mlp_in, layer.mlp_out
     if shard.target is not aten.slice.Tensor or shard.args[1] != 0:
         return "the MoE input is not the hybrid step's row shard"
@@ -133,10 +151,12 @@ def _match(layer: Layer) -> "SimpleNamespace | str":
     if gather is None:
         return "the MoE output is not all-gathered"
     pre = gather.input
-    tail = match_gemm(pre)
-    if tail is None or tail[2] is None:
-        return "the MoE output is not shared + norm(y) W_up^T (one addmm)"
-    normed, w_up, acc, _ = tail
+    tail = _tail(pre)
+    if tail is None:
+        return "the MoE output is not shared + norm(y) W_up^T (an addmm, or an add of the mm)"
+    normed, w_up, acc = tail
+    if whole:
+        return _match_layer_op(layer, E, shard, x, gather, pre, normed, w_up, acc)
     shared = match_gemm(acc)
     if shared is None or shared[2] is not None:
         return "the shared experts do not end in a plain down-projection GEMM"
@@ -185,6 +205,67 @@ def _match(layer: Layer) -> "SimpleNamespace | str":
                  ids=ids, pad=pad, mask_all=mask_all, mxfp4=E.arg("w13_scale") is not None, region=region, G=G, rank=rank, D=D, L=L, summary=summary)
 
 
+def _tail(pre: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(normed, W_up, acc) where ``pre`` = acc + normed W_up^T: one addmm, or the add of a
+    plain GEMM read only there (as a graph holds it without Inductor's addmm fusion)."""
+    m = match_gemm(pre)
+    if m is not None:
+        return m[:3] if m[2] is not None else None
+    if pre.target is not aten.add.Tensor or len(pre.args) != 2 or pre.kwargs:
+        return None
+    for mm, acc in (pre.args, pre.args[::-1]):
+        m = match_gemm(mm) if isinstance(mm, fx.Node) else None
+        if m is not None and m[2] is None and len(mm.users) == 1 and isinstance(acc, fx.Node) and \
+                acc.meta["val"].dtype == mm.meta["val"].dtype == pre.meta["val"].dtype:
+            return m[0], m[1], acc
+    return None
+
+
+def _unviewed(node: fx.Node) -> fx.Node:
+    """``node`` without the views of the same shape on top of it (``reshape(x, [-1, H])``)."""
+    while node.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default) and \
+            node.meta["val"].shape == node.args[0].meta["val"].shape:
+        node = node.args[0]
+    return node
+
+
+def _match_layer_op(layer: Layer, E: OpCall, shard: fx.Node, x: fx.Node, gather, pre: fx.Node, normed: fx.Node,
+                    w_up: fx.Node, acc: fx.Node) -> "SimpleNamespace | str":
+    """vLLM's MoE layer op ``(shared, routed) = moe(latent, router_logits, shared_in, name)``
+    (``vllm.moe_forward_shared``, or ``kimi_vllm.mega_moe`` in its place): its shared
+    experts and routed experts are split inside ``kimi_vllm.sharded_moe``, the latent
+    up-projection in the graph."""
+    vllm_moe = importlib.import_module("kimi_inductor.vllm_moe")  # registers kimi_vllm::sharded_moe
+    inputs = layer.moe.inputs
+    outs = {u.args[1]: u for u in E.node.users if u.target is operator.getitem}
+    if _unviewed(inputs["shared_in"]) is not shard:
+        return "the shared experts do not read the row shard"
+    if acc is not outs.get(0) or outs.get(1) not in ancestors(normed) or outs[0] in ancestors(normed):
+        return "the MoE output is not shared + norm(routed) W_up^T"
+    latent = match_gemm(inputs["latent"])
+    if latent is None or _unviewed(latent[0]) is not shard:
+        return "the latent down-projection does not read the row shard"
+    if shard not in ancestors(inputs["router_logits"]):
+        return "the router does not read the row shard"
+    if mega_moe_kernel.implementation(x.meta["val"].device, 0, 0)[0] == "deepgemm":
+        return "DeepGEMM MegaMoE runs these experts (SM100): its fused exchange is kept"
+    G, rank, why = vllm_moe.tp_shard()
+    if why:
+        return why
+    L = normed.meta["val"].shape[1]
+    if L % G:
+        return f"latent {L} does not split over {G} ranks"
+    region = layer.mlp_nodes - set(gather.nodes) - {layer.mlp_out}
+    why = row_local.reason(region, shard, sink=gather.nodes[-1])
+    if why:
+        return f"not proven row-local: {why}"
+    summary = (f"all {x.meta['val'].shape[0]} rows on every rank: vLLM's shared experts and latent up-projection "
+               f"TP-sharded (1/{G} of their weights, kimi_vllm.sharded_moe), router and latent down replicated; "
+               f"routed experts summed over the ranks (fp32 all-reduce); one all-reduce in place of the all-gather")
+    return SimpleNamespace(layer_op=True, E=E, shard=shard, x=x, gather=gather, pre=pre, normed=normed, w_up=w_up,
+                           outs=outs, region=region, G=G, rank=rank, L=L, summary=summary, mxfp4=None)
+
+
 def _halves(gu: fx.Node) -> list[fx.Node] | None:
     """[gate, up] when ``gu`` [T, 2 D] is read only as its column halves [:, :D], [:, D:]."""
     width = gu.meta["val"].shape[1]
@@ -218,17 +299,54 @@ def _rows_of(mask: Any, rows: int) -> fx.Node | None:
     return node if node is not mask and val is not None and val.dim() == 1 and val.shape[0] == rows else None
 
 
-def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) -> None:
-    rows = p.x.meta["val"].shape[0]
-    row_local.set_rows(p.region, p.shard, rows, also=(p.pad,))
+def _block(g: fx.Graph, w: fx.Node, dim: int, start: int, size: int) -> fx.Node:
+    """``w[start:start + size]`` along ``dim``, transposed (a GEMM's right operand)."""
+    return g.call_function(aten.permute.default, (g.call_function(
+        aten.slice.Tensor, (w, dim, start, start + size)), [1, 0]))
+
+
+def _all_rows(layer: Layer, p: SimpleNamespace, also: tuple = ()) -> None:
+    """The proven row-local region reads all T rows: x in place of the row shard."""
+    row_local.set_rows(p.region, p.shard, p.x.meta["val"].shape[0], also=also)
     for user in list(p.shard.users):
         if user in p.region:
             user.replace_input_with(p.shard, p.x)
-    like = layer.reduce  # the attention's all-reduce: its spelling and group
 
-    def block(w: fx.Node, dim: int, start: int, size: int) -> fx.Node:
-        return g.call_function(aten.permute.default, (g.call_function(
-            aten.slice.Tensor, (w, dim, start, start + size)), [1, 0]))
+
+def _finish(g: fx.Graph, layer: Layer, p: SimpleNamespace, shared: fx.Node, dead: list[fx.Node]) -> None:
+    """out = all_reduce(shared + norm(y)[:, l_r] W_up[:, l_r]^T) in place of the all-gather."""
+    L, r = p.L // p.G, p.rank
+    with g.inserting_before(p.pre):
+        normed = g.call_function(aten.slice.Tensor, (p.normed, 1, r * L, (r + 1) * L))
+        partial_out = g.call_function(aten.addmm.default, (shared, normed, _block(g, p.w_up, 1, r * L, L)))
+    out = collectives.emit_all_reduce(g, partial_out, partial_out, layer.reduce)
+    layer.mlp_out.replace_all_uses_with(out)
+    layer.next_res.set_arg("delta", out)
+    layer.mlp_in, layer.mlp_out = p.x, out
+    erase_unused(g, [*dead, *p.gather.nodes, p.pre, p.shard])
+
+
+def _rewrite_layer_op(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) -> None:
+    _all_rows(layer, p)
+    E, like = p.E.node, layer.reduce
+    with g.inserting_before(E):
+        op = g.call_function(torch.ops.kimi_vllm.sharded_moe.default, tuple(
+            layer.moe.inputs[k] for k in ("latent", "router_logits", "shared_in", "layer_name")))
+        shared, partial = (g.call_function(operator.getitem, (op, i)) for i in (0, 1))
+    summed = collectives.emit_all_reduce(g, partial, partial, like)
+    with g.inserting_after(summed):
+        routed = g.call_function(prims.convert_element_type.default, (summed, p.outs[1].meta["val"].dtype))
+    p.outs[1].replace_all_uses_with(routed)
+    dg.replaced(E, op)
+    _finish(g, layer, p, shared, [*p.outs.values(), E])
+
+
+def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) -> None:
+    if getattr(p, "layer_op", False):
+        return _rewrite_layer_op(g, dg, layer, p)
+    _all_rows(layer, p, also=(p.pad,))
+    like = layer.reduce  # the attention's all-reduce: its spelling and group
+    block = functools.partial(_block, g)
 
     # routed experts: this rank's experts on every row, summed over the ranks in fp32
     E, first = p.E, p.E.arg("first_expert")
@@ -250,7 +368,7 @@ def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) ->
     dg.replaced(E.node, partial)
 
     # shared experts and latent up-projection: this rank's column blocks, partial sums
-    D, L, r = p.D // p.G, p.L // p.G, p.rank
+    D, r = p.D // p.G, p.rank
     with g.inserting_before(p.gu):
         gate = g.call_function(aten.mm.default, (p.x, block(p.w_gu, 0, r * D, D)))
         up = g.call_function(aten.mm.default, (p.x, block(p.w_gu, 0, p.D + r * D, D)))
@@ -258,10 +376,4 @@ def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) ->
         half.replace_all_uses_with(new)
     with g.inserting_before(p.pre):
         shared = g.call_function(aten.mm.default, (p.h, block(p.w_down_shared, 1, r * D, D)))
-        normed = g.call_function(aten.slice.Tensor, (p.normed, 1, r * L, (r + 1) * L))
-        partial_out = g.call_function(aten.addmm.default, (shared, normed, block(p.w_up, 1, r * L, L)))
-    out = collectives.emit_all_reduce(g, partial_out, partial_out, like)
-    p.full.replace_all_uses_with(out)
-    layer.next_res.set_arg("delta", out)
-    layer.mlp_in, layer.mlp_out = p.x, out
-    erase_unused(g, [*dead, *p.gather.nodes, p.pre, *p.halves, p.gu, p.shard])
+    _finish(g, layer, p, shared, [*dead, *p.halves, p.gu])

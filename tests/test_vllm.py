@@ -286,6 +286,48 @@ def test_our_moe_op_refuses_experts_it_cannot_run():
     assert first == 2 and w13.shape == (2, 8, 4)
 
 
+def test_sharded_moe_op_splits_the_shared_experts_over_the_group(monkeypatch):
+    """kimi_vllm.sharded_moe's shared partials (gate and up rows of block r, SiTU, down
+    columns of block r) sum over the G ranks to vLLM's whole shared MLP; weights vLLM
+    already TP-shards are taken as the rank's block; quantized shared experts, a width
+    that does not split, and an EP group that is not the TP group are refused with the
+    fix."""
+    from types import SimpleNamespace
+
+    import vllm.distributed
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from kimi_inductor import vllm_moe
+
+    H, D, G, T = 16, 12, 3, 5
+    g = torch.Generator().manual_seed(0)
+    w_gu, w_down, x = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2 * D, H), (H, D), (T, H)))
+    act = lambda gu: torch.nn.functional.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]  # noqa: E731
+
+    def runner(gate_up, down, sharded=False, method=UnquantizedLinearMethod()):
+        mlp = SimpleNamespace(gate_up_proj=SimpleNamespace(weight=gate_up, quant_method=method), act_fn=act,
+                              down_proj=SimpleNamespace(weight=down, quant_method=method), shard_sequence_parallel=sharded)
+        return SimpleNamespace(layer_name="model.layers.1.mlp.experts", _shared_experts=SimpleNamespace(_layer=mlp))
+
+    whole = act(x @ w_gu.t()) @ w_down.t()
+    parts = [vllm_moe._shared_partial(runner(w_gu, w_down), x, G, r) for r in range(G)]
+    torch.testing.assert_close(sum(parts), whole)
+    d = D // G  # rank 1's block as vLLM holds it under VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT
+    block = runner(torch.cat((w_gu[d:2 * d], w_gu[D + d:D + 2 * d])), w_down[:, d:2 * d].contiguous(), sharded=True)
+    torch.testing.assert_close(vllm_moe._shared_partial(block, x, G, 1), parts[1])
+    with pytest.raises(ValueError, match=r"unquantized shared experts; these are object.*sharded_moe_rows to 0"):
+        vllm_moe._shared_partial(runner(w_gu, w_down, method=object()), x, G, 0)
+    with pytest.raises(ValueError, match=r"width 12 does not split over 5 ranks"):
+        vllm_moe._shared_partial(runner(w_gu, w_down), x, 5, 0)
+
+    group = lambda size, rank: SimpleNamespace(world_size=size, rank_in_group=rank)  # noqa: E731
+    monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: group(2, 1))
+    monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group(2, 1))
+    assert vllm_moe.tp_shard() == (2, 1, "")
+    monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group(4, 3))  # data parallel 2
+    assert "EP group (4 ranks, data parallel > 1) is not its TP group (2)" in vllm_moe.tp_shard()[2]
+
+
 @pytest.mark.skipif(bool(__import__("kimi_inductor.kernels", fromlist=["skinny_gemm"]).skinny_gemm.cute_available()),
                     reason="the fusions live in the CuTe GEMV (the cute extra)")
 def test_vllm_rms_norm_fuses_into_its_gemm_and_computes_the_same():

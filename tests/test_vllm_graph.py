@@ -40,6 +40,8 @@ MLA_INSERT = "functionalized:_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_inse
 MLA_DECODE = "functionalized:_C::mla_decode_kvcache"
 MLA_NORM = "triton:vllm.models.common.ops.fused_qk_rmsnorm.FusedQKVRMSNormKernel.kernel"
 MOE = "vllm.moe_forward_shared.default"
+MOE_PASSES = ["mega_moe", "sharded_moe"]  # what rewrites a MoE layer of the SP graph at T = 3
+HYBRID_SHARDED = {"all_reduce": L + 1 + 2 * MOE_LAYERS, "all_gather": 0, "reduce_scatter": 0}
 GATHER, SCATTER, REDUCE = "vllm.all_gather.default", "vllm.reduce_scatter.default", "vllm.all_reduce.default"
 
 
@@ -71,6 +73,8 @@ def capture_tp(tp):
     def observe(stage, g):
         if stage == "after hybrid_attention":
             snaps.update({layer: region_text(g, layer, "attention") for layer in (1, 3)})
+        if stage == "after sharded_moe":
+            snaps["moe"] = region_text(g, 1, "mlp")
 
     custom = copy_graph(gm)
     KimiPasses(Options(), report, observe)(gm.graph)
@@ -275,6 +279,7 @@ def replica_row_errors(vllm_config, model, batch, steps):
 HYBRID = {"compiler": "eager", "passes": ["hybrid_attention"]}
 EVERY_PASS = {"compiler": "eager"}
 BYTE_PAGES = {"compiler": "eager", "passes": ["byte_pages"]}
+ROW_SHARD = {"compiler": "eager", "passes": ["hybrid_attention", "mega_moe", "lower_kernels", "byte_pages"]}
 
 
 def eager_and_compiled(vllm_config, model, batch, steps, rows=ROWS, options=(EVERY_PASS,)):
@@ -300,12 +305,15 @@ def eager_and_compiled(vllm_config, model, batch, steps, rows=ROWS, options=(EVE
     return out
 
 
-def gloo_rank(tp, rows, steps):
+def gloo_rank(tp, rows, steps, row_shard=False):
+    """vLLM eager, then compiled with hybrid_attention alone and with every pass (and,
+    with ``row_shard``, every pass but sharded_moe)."""
     from kimi_inductor import vllm_cpu
 
     vllm_config, model = vllm_cpu.build(tp=tp, group="gloo", layers=LAYERS)
     batch = vllm_cpu.decode_batch(model, vllm_config, rows, PADDING)
-    return eager_and_compiled(vllm_config, model, batch, steps, rows, (HYBRID, EVERY_PASS))
+    return eager_and_compiled(vllm_config, model, batch, steps, rows,
+                              (HYBRID, EVERY_PASS, ROW_SHARD) if row_shard else (HYBRID, EVERY_PASS))
 
 
 def median_row_error(out, ref):
@@ -430,20 +438,21 @@ def test_sp_graph_has_one_gather_and_one_reduce_scatter_per_layer(captured, tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_layer_of_vllms_sp_graph_becomes_the_hybrid_step(captured, tp):
-    """One all-reduce per attention (and the embedding's), no reduce-scatter, the MoE on
-    the row shard with one all-gather each; the dense layer 0 is proven row-local."""
+    """One all-reduce per attention (and the embedding's), no reduce-scatter; at T = 3
+    every MoE layer on all rows, split over the group by sharded_moe (two all-reduces in
+    place of the all-gather); the dense layer 0 is proven row-local."""
     report = captured(tp)["report"]
     assert report["decoder"] and report["layout"] == "sp" and report["layout_after"] == "hybrid"
     assert [l["kind"] for l in report["layers"]] == ["kda"] * KDA_LAYERS + ["mla"] * MLA_LAYERS
     for layer in report["layers"]:  # and lower_kernels' fused KDA / our MLA op on vLLM's attention cores
         assert layer["spelling"] == "vllm", layer
-        assert layer["rewritten_by"] == ["hybrid_attention"] + ["mega_moe"] * (layer["index"] > 0) + ["lower_kernels"]
+        assert layer["rewritten_by"] == ["hybrid_attention"] + MOE_PASSES * (layer["index"] > 0) + ["lower_kernels"]
         assert {"kda": "fused KDA x1", "mla": "MLA core x1"}[layer["kind"]] in layer["notes"]["kernels"], layer
-    assert all("kimi_vllm.mega_moe" in l["notes"]["moe"] for l in report["layers"][1:])
+    assert all(l["notes"]["moe"].startswith("kimi_vllm.sharded_moe") for l in report["layers"][1:])
+    assert all(l["notes"]["moe_layout"].startswith("all 3 rows on every rank") for l in report["layers"][1:])
     assert "dense MLP on all rows (row-local)" in report["layers"][0]["reason"]
-    assert all("MoE on the rank's row shard" in l["reason"] for l in report["layers"][1:])
     assert report["collectives_before"] == {"all_reduce": 1, "all_gather": L + 1, "reduce_scatter": L}
-    assert report["collectives_after"] == {"all_reduce": L + 1, "all_gather": MOE_LAYERS, "reduce_scatter": 0}
+    assert report["collectives_after"] == HYBRID_SHARDED
 
 
 def test_custom_all_reduce_spelling_is_rewritten_too(captured):
@@ -457,7 +466,7 @@ def test_custom_all_reduce_spelling_is_rewritten_too(captured):
     assert report["layout"] == "sp" and report["layout_after"] == "hybrid"
     assert all("hybrid_attention" in l["rewritten_by"] for l in report["layers"])
     assert report["collectives_before"] == {"all_reduce": 1, "all_gather": L + 1, "reduce_scatter": L}
-    assert report["collectives_after"] == {"all_reduce": L + 1, "all_gather": MOE_LAYERS, "reduce_scatter": 0}
+    assert report["collectives_after"] == HYBRID_SHARDED
 
 
 def test_snapshot_vllm_kda_attention_g2(captured):
@@ -527,6 +536,32 @@ def test_snapshot_vllm_kda_attention_g2(captured):
 %40 = aten.reshape(%39, [3, 64])  : bf16[3, 64]
 %41 = aten.mm(%40, %in21)  : bf16[3, 128]
 %42 = vllm.all_reduce(%41, 'tp:0')  : bf16[3, 128]""")
+
+
+def test_snapshot_vllm_moe_layer_g2(captured):
+    """vLLM's MoE layer 1 after sharded_moe (T = 3, G = 2): the router and latent
+    down-projection on all rows, kimi_vllm.sharded_moe's partials, the routed sum's fp32
+    all-reduce, this rank's half of the latent up-projection, one all-reduce out."""
+    assert_expected_inline(captured(2)["snapshots"]["moe"], """\
+%in0 = triton_kernel_wrapper_functional
+%in1 = aten.permute(...)  : bf16[128, 64]
+%in2 = aten.permute(...)  : bf16[128, 8]
+%in3 = input
+%in4 = input  : bf16[64]
+%in5 = aten.permute(...)  : bf16[32, 128]
+%0 = %in0[output_ptr]  : bf16[3, 128]
+%1 = aten.mm(%0, %in1)  : bf16[3, 64]
+%2 = aten.mm(%0, %in2)  : bf16[3, 8]
+%3 = prims.convert_element_type(%2, f32)  : f32[3, 8]
+%4 = kimi_vllm.sharded_moe(%1, %3, %0, %in3)
+%5 = %4[0]  : bf16[3, 128]
+%6 = %4[1]  : f32[3, 64]
+%7 = vllm.all_reduce(%6, 'tp:0')  : f32[3, 64]
+%8 = prims.convert_element_type(%7, bf16)  : bf16[3, 64]
+%9 = vllm_ir.rms_norm(%8, %in4, 1e-05)  : bf16[3, 64]
+%10 = aten.slice(%9, 1, 0, 32)  : bf16[3, 32]
+%11 = aten.addmm(%5, %10, %in5)  : bf16[3, 128]
+%12 = vllm.all_reduce(%11, 'tp:0')  : bf16[3, 128]""")
 
 
 def test_snapshot_vllm_mla_attention_g2(captured):
@@ -620,21 +655,26 @@ def test_modes_1_and_2_compile_through_vllm_and_mode_2_saves_and_loads(tmp_path)
 @pytest.mark.slow
 def test_gloo_tp2_kimi_specialized_equals_vllm_eager(tp1):
     """2 ranks, T = 3 (an SP pad row and a padding request), 8 steps: the hybrid step is
-    bitwise vLLM's SP forward; with every pass (the MoE through our EP op over vLLM's EP
-    group, the KDA and MLA cores through our kernels), the bf16 band."""
+    bitwise vLLM's SP forward; with every pass (each MoE layer on all rows, its shared
+    experts, latent up-projection and experts split over the ranks; the KDA and MLA cores
+    through our kernels), and without sharded_moe (the row shard through our EP op over
+    vLLM's EP group), the bf16 band."""
     from kimi_inductor.launch import run_ranks
 
-    results = run_ranks(gloo_rank, 2, 2, ROWS, 8)
+    results = run_ranks(gloo_rank, 2, 2, ROWS, 8, True)
     # SP with EP experts against one rank: the bf16 band of docs/testing.md on the first step
     assert median_row_error(results[0]["eager"][0], tp1["eager"][0]) < 0.03
     for rank in results:
-        hybrid, every = rank["reports"]
+        hybrid, every, row_shard = rank["reports"]
         assert len(hybrid) == 1 and hybrid[0]["layout_after"] == "hybrid"
         lowered = ["lower_kernels"]  # vLLM's KDA core groups and MLA pairs -> our kernels
         assert [l["rewritten_by"] for l in every[0]["layers"]] == (
-            [["hybrid_attention", *lowered]] + [["hybrid_attention", "mega_moe", *lowered]] * (L - 1))
+            [["hybrid_attention", *lowered]] + [["hybrid_attention", *MOE_PASSES, *lowered]] * (L - 1))
+        assert every[0]["collectives_after"] == HYBRID_SHARDED
+        assert all("kimi_vllm.mega_moe" in l["notes"]["moe"] for l in row_shard[0]["layers"][1:])
         assert_bitwise(rank["eager"], rank["compiled"][0])
-        assert_in_band(rank["eager"], rank["compiled"][1])
+        for compiled in rank["compiled"][1:]:
+            assert_in_band(rank["eager"], compiled)
     for a, b in zip(results[0]["eager"], results[1]["eager"]):  # the final all-gather: every rank holds all rows
         assert torch.equal(a, b)
 
@@ -650,7 +690,7 @@ def test_gloo_tp4_kimi_specialized_equals_vllm_eager():
         hybrid, every = rank["reports"]
         assert hybrid[0]["layout_after"] == every[0]["layout_after"] == "hybrid"
         assert [l["rewritten_by"] for l in every[0]["layers"]] == (
-            [["hybrid_attention", "lower_kernels"]] + [["hybrid_attention", "mega_moe", "lower_kernels"]] * (L - 1))
+            [["hybrid_attention", "lower_kernels"]] + [["hybrid_attention", *MOE_PASSES, "lower_kernels"]] * (L - 1))
         assert_bitwise(rank["eager"], rank["compiled"][0])
         assert_in_band(rank["eager"], rank["compiled"][1])
 

@@ -21,7 +21,8 @@ module needs neither vLLM nor its CUDA extension to be importable.
               input, beta, linear_beta)`` (the fusions of a norm / SiTU with their GEMM)
     experts   ``vllm::moe_forward_shared`` / ``vllm::moe_forward``: the whole MoE (top-k,
               routed and shared experts) in one op that finds its layer by name; and
-              ``kimi_vllm::mega_moe``, ours in its place
+              ``kimi_vllm::mega_moe`` (the row shard) / ``kimi_vllm::sharded_moe`` (all
+              rows, split over the group), ours in its place
     collectives ``vllm::all_gather(x, 0, G, group)``, ``vllm::reduce_scatter(y, 0, G, group)``,
               ``vllm::all_reduce(y, group)``; with CUDA custom all-reduce (SP gathers of
               small inputs) ``_C_custom_ar::custom_all_gather`` / ``custom_reduce_scatter``
@@ -51,7 +52,13 @@ CORE_OPS = {"_C::fused_kda_decode": "kda", "_C::fused_kimi_k3_mla_decode_q_conca
             "kimi_kernels::kda_decode_paged": "kda"}  # the last: ours in place of the KDA group (lower_kernels)
 EXPERT_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
 LAYER_MOE_INPUTS = ("latent", "router_logits", "shared_in", "layer_name")
-ROW_LOCAL_OPS = {"vllm_ir::rms_norm": ("x",), "_C::situ_and_mul": ("input",)}
+# The MoE layer ops are row-wise in their three row inputs; the row shard's ops look their
+# padding rows up by the shard's position, so the one pass that moves their rows
+# (sharded_moe) puts kimi_vllm::sharded_moe (the step's rows in order) in their place.
+LAYER_ROWS = ("hidden_states", "router_logits", "shared_experts_input")
+ROW_LOCAL_OPS = {"vllm_ir::rms_norm": ("x",), "_C::situ_and_mul": ("input",),
+                 "vllm::moe_forward_shared": LAYER_ROWS, "kimi_vllm::mega_moe": LAYER_MOE_INPUTS[:3],
+                 "kimi_vllm::sharded_moe": LAYER_MOE_INPUTS[:3]}
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -112,7 +119,7 @@ def _experts(node: fx.Node) -> Experts | None:
     layer_name, hidden_dim_unpadded) -> (shared, routed)``; ``moe_forward`` (no shared
     experts, writes its input) is recognised and kept."""
     name = _op_name(node)
-    if name == "kimi_vllm::mega_moe":  # ours, in its place (the mega_moe pass)
+    if name in ("kimi_vllm::mega_moe", "kimi_vllm::sharded_moe"):  # ours, in its place
         return Experts(node, "layer", NAME, lambda n: dict(zip(LAYER_MOE_INPUTS, n.args)))
     if name not in EXPERT_OPS:
         return None
