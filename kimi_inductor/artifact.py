@@ -64,11 +64,9 @@ class CompiledGraph(SerializableCallable):
     def of(cls, compiled: Callable, gm: fx.GraphModule, example_inputs: list, options: str) -> "CompiledGraph":
         """Keep a copy of ``gm`` taken before the compile (Inductor's pre-grad passes
         rewrite the Dynamo graph in place)."""
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         fakes = [p.meta.get("example_value", x) for p, x in zip(placeholders, example_inputs)]
-        return cls(compiled, fx.GraphModule(gm, graph), fakes, options)
+        return cls(compiled, copy_graph(gm), fakes, options)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is None:
@@ -127,6 +125,13 @@ class CompiledGraph(SerializableCallable):
                            "constant_args_idx": constant_idx[node.kwargs["constant_args_idx"]]}
         graph.recompile()
         return cls(None, graph, inputs, state["options"], fake_mode)
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copy of ``gm``'s graph (its attributes shared)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 class _Pickler(GraphPickler):

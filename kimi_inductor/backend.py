@@ -32,7 +32,8 @@ import torch
 from torch import fx
 from torch._dynamo.exc import ShortenTraceback
 
-from .artifact import CompiledGraph
+from .artifact import CompiledGraph, copy_graph
+from .by_size import BySize, row_argument
 from .config import Options
 from .passes.manager import KimiPasses, MatchError, Observer  # MatchError: also kimi_inductor.MatchError
 from .passes.report import MatchReport
@@ -86,9 +87,19 @@ class KimiSpecialized:
         return cls._shared.setdefault(opts.to_json(), cls(opts))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> CompiledGraph:
+        graph = CompiledGraph.of(None, gm, example_inputs, self.options.to_json())
+        compiled, report = self._compile(gm, example_inputs)
+        sizes = self.options.decode.capture_sizes
+        where = row_argument(example_inputs, report.rows) if sizes and isinstance(report.rows, str) else None
+        if where is not None:  # a symbolic batch: compiled again at each capture size (by_size.py)
+            pristine = graph.graph
+            compiled = BySize(compiled, lambda args: self._compile(copy_graph(pristine), args)[0], where, sizes)
+        graph.compiled = compiled
+        return graph
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list) -> tuple[Callable, MatchReport]:
         from torch._inductor.compile_fx import compile_fx
 
-        graph = CompiledGraph.of(None, gm, example_inputs, self.options.to_json())
         report = MatchReport(graph=len(self.reports))
         passes = KimiPasses(self.options, report, self.observer)
         key = _report_key(gm, example_inputs, passes)
@@ -111,8 +122,7 @@ class KimiSpecialized:
         else:  # Inductor's FX graph cache returned the graph: the passes did not run
             report = _load_report(key, report.graph)
         self.reports.append(report)  # only graphs that compiled (Dynamo may restart a compile)
-        graph.compiled = compiled
-        return graph
+        return compiled, report
 
     @property
     def report(self) -> MatchReport | None:

@@ -92,7 +92,8 @@ def refusal(dg: DecoderGraph, options: Options) -> str:
         return f"graph has TP size {size}, options say decode.tp={decode.tp}"
     if decode.q is not None and dg.q is not None and dg.q != decode.q:
         return f"graph verifies q={dg.q} tokens per request, options say decode.q={decode.q}"
-    if decode.capture_sizes and dg.tokens not in decode.capture_sizes:
+    if decode.capture_sizes and not (isinstance(dg.tokens, int) and dg.tokens in decode.capture_sizes):  # a SymInt
+        # would compare by its hint (and specialise); by_size.py compiles symbolic T again per size
         return f"batch rows {dg.tokens} not in decode.capture_sizes {list(decode.capture_sizes)}"
     return ""
 

@@ -273,3 +273,37 @@ def test_aot_compiled_function_saves_and_loads_in_a_fresh_process(tmp_path):
     """)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert "lower_kernels" in loaded.stdout
+
+
+def test_a_symbolic_batch_is_compiled_again_at_each_capture_size():
+    """vLLM's modes 1 and 2 give one graph with a symbolic T. With decode.capture_sizes
+    the backend compiles it as it is (the passes refuse: T is no capture size) and, on
+    the first call at a capture size, again with that call's static shapes, where every
+    pass applies; a second call at that size reuses it, a size outside runs the symbolic
+    compile. Each output agrees with the stock model's eager step (bf16 band)."""
+    from kimi_inductor.stock import KimiK3Config, Parallel
+    from kimi_inductor.stock.batch import DecodeBatch
+    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
+
+    config = KimiK3Config.preset("tiny")
+    model = build_model(config, random_checkpoint(config), Parallel("tp", None))  # one rank
+    backend = KimiSpecialized({"compiler": "eager", "decode": {"capture_sizes": [8]}})
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+
+    def step(requests):  # T = (requests + 1 padding) x q = 2, from empty caches
+        batch = DecodeBatch(requests, 2, 1, config.vocab_size)
+        caches = [model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q) for _ in "ab"]
+        inputs = batch.step()
+        with torch.no_grad():
+            return compiled(inputs, caches[0]), model(inputs, caches[1])
+
+    for requests, reports in ((5, 1), (3, 2), (3, 2), (7, 2)):  # T = 12 (symbolic), 8 (static), 8 again, 16
+        got, want = step(requests)
+        assert len(backend.reports) == reports
+        error = ((got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)).median()
+        assert torch.isfinite(got).all() and error < 0.03, (requests, error)
+    generic, static = backend.reports
+    assert isinstance(generic.rows, str) and generic.reason == f"batch rows {generic.rows} not in decode.capture_sizes [8]"
+    assert static.rows == 8 and not static.reason
+    assert all("mega_moe" in l.rewritten_by for l in static.layers if l.mlp == "moe")

