@@ -275,7 +275,7 @@ def test_aot_compiled_function_saves_and_loads_in_a_fresh_process(tmp_path):
     assert "lower_kernels" in loaded.stdout
 
 
-def test_a_symbolic_batch_is_compiled_again_at_each_capture_size():
+def by_size_steps(device: str, compiler: str) -> None:
     """vLLM's modes 1 and 2 give one graph with a symbolic T. With decode.capture_sizes
     the backend compiles it as it is (the passes refuse: T is no capture size) and, on
     the first call at a capture size, again with that call's static shapes, where every
@@ -286,15 +286,16 @@ def test_a_symbolic_batch_is_compiled_again_at_each_capture_size():
     from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
 
     config = KimiK3Config.preset("tiny")
-    model = build_model(config, random_checkpoint(config), Parallel("tp", None))  # one rank
-    backend = KimiSpecialized({"compiler": "eager", "decode": {"capture_sizes": [8]}})
+    model = build_model(config, random_checkpoint(config), Parallel("tp", None), device=device)  # one rank
+    backend = KimiSpecialized({"compiler": compiler, "decode": {"capture_sizes": [8]}})
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, dynamic=True)
 
     def step(requests):  # T = (requests + 1 padding) x q = 2, from empty caches
         batch = DecodeBatch(requests, 2, 1, config.vocab_size)
-        caches = [model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q) for _ in "ab"]
-        inputs = batch.step()
+        caches = [model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q, device=device)
+                  for _ in "ab"]
+        inputs = model.validate_step(batch.step(), caches[0]).to(device)
         with torch.no_grad():
             return compiled(inputs, caches[0]), model(inputs, caches[1])
 
@@ -307,3 +308,14 @@ def test_a_symbolic_batch_is_compiled_again_at_each_capture_size():
     assert isinstance(generic.rows, str) and generic.reason == f"batch rows {generic.rows} not in decode.capture_sizes [8]"
     assert static.rows == 8 and not static.reason
     assert all("mega_moe" in l.rewritten_by for l in static.layers if l.mlp == "moe")
+
+
+def test_a_symbolic_batch_is_compiled_again_at_each_capture_size():
+    by_size_steps("cpu", "eager")
+
+
+@pytest.mark.gpu
+def test_a_symbolic_batch_is_compiled_again_at_each_capture_size_by_inductor_on_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the device machine)")
+    by_size_steps("cuda", "inductor")
