@@ -252,7 +252,10 @@ def tp_shard() -> tuple[int, int, str]:
     ranks are also the EP group's (so the TP all-reduce sums every expert once); else
     (G, r, why not)."""
     from vllm.distributed import get_ep_group, get_tp_group
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    if not model_parallel_is_initialized():
+        return 1, 0, "vLLM's parallel state is not initialised (the graph is compiled outside a vLLM worker)"
     tp, ep = get_tp_group(), get_ep_group()
     if (ep.world_size, ep.rank_in_group) != (tp.world_size, tp.rank_in_group):
         return tp.world_size, tp.rank_in_group, (
@@ -302,7 +305,7 @@ def sharded_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
     runner = _layer(layer_name)
     G, r, why = tp_shard()
     if why:
-        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe needs {why}. Fix: set the decode option "
+        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe cannot run: {why}. Fix: set the decode option "
                          "sharded_moe_rows to 0")
     shared = _shared_partial(runner, shared_in, G, r)
     weights, ids = _routing(runner, latent, router_logits, _padding(latent.shape[0], False))

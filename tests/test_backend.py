@@ -305,7 +305,8 @@ def by_size_steps(device: str, compiler: str) -> None:
         error = ((got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)).median()
         assert torch.isfinite(got).all() and error < 0.03, (requests, error)
     generic, static = backend.reports
-    assert isinstance(generic.rows, str) and generic.reason == f"batch rows {generic.rows} not in decode.capture_sizes [8]"
+    assert isinstance(generic.rows, str) and generic.reason.startswith(
+        f"batch rows {generic.rows} not in decode.capture_sizes [8] (a symbolic batch: compiled again")
     assert static.rows == 8 and not static.reason
     assert all("mega_moe" in l.rewritten_by for l in static.layers if l.mlp == "moe")
 

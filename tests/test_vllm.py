@@ -320,7 +320,9 @@ def test_sharded_moe_op_splits_the_shared_experts_over_the_group(monkeypatch):
     with pytest.raises(ValueError, match=r"width 12 does not split over 5 ranks"):
         vllm_moe._shared_partial(runner(w_gu, w_down), x, 5, 0)
 
+    assert "parallel state is not initialised" in vllm_moe.tp_shard()[2]  # compiled outside a vLLM worker
     group = lambda size, rank: SimpleNamespace(world_size=size, rank_in_group=rank)  # noqa: E731
+    monkeypatch.setattr(vllm.distributed.parallel_state, "model_parallel_is_initialized", lambda: True)
     monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: group(2, 1))
     monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group(2, 1))
     assert vllm_moe.tp_shard() == (2, 1, "")
