@@ -89,11 +89,12 @@ def capture_tp(tp):
     return out
 
 
-def through_vllm(mode, cache_root):
+def through_vllm(mode, cache_root, capture_sizes=()):
     """One decode step of vLLM's K3 compiled in compilation mode ``mode`` as vLLM does
     it, with ``backend="kimi_specialized"`` resolved by name and options from
-    ``additional_config``; vLLM's AOT cache under ``cache_root``. The deployment check's
-    GPU test is stubbed (the CPU stands in for an H200)."""
+    ``additional_config``; vLLM's AOT cache under ``cache_root``; ``capture_sizes``:
+    vLLM's CUDA-graph sizes (none on CPU otherwise). The deployment check's GPU test is
+    stubbed (the CPU stands in for an H200)."""
     import os
     import shutil
 
@@ -106,6 +107,7 @@ def through_vllm(mode, cache_root):
     def vllm_config_for(path, tp=1, max_model_len=256):  # one model path in every process: vLLM's cache key
         c = make_config(shutil.copytree(path, Path(cache_root) / "model", dirs_exist_ok=True), tp, max_model_len)
         c.compilation_config.mode, c.compilation_config.backend = mode, "kimi_specialized"
+        c.compilation_config.cudagraph_capture_sizes = list(capture_sizes)
         c.additional_config = {"kimi_inductor": {"decode_backend": "latency_specialized", "compiler": "eager"}}
         return c
 
@@ -631,19 +633,27 @@ def test_modes_1_and_2_compile_through_vllm_and_mode_2_saves_and_loads(tmp_path)
     mode 2 (DYNAMO_TRACE_ONCE: the backbone's ``support_torch_compile`` wrapper, ours
     from ``vllm_k3``, through Dynamo's AOT compile, vLLM's default on torch >= 2.10; a
     first process compiles and saves the artifact, a second loads it and compiles the
-    saved graph again): one graph each, every layer matched in vLLM's spelling, the same
-    output."""
+    saved graph again): one graph each, every layer matched in vLLM's spelling. Mode 2
+    with vLLM's CUDA-graph sizes [3]: its symbolic graph is left as vLLM wrote it and the
+    step (T = 3) runs the graph compiled again with static rows, in both processes. The
+    same output, bitwise between save and load, in the bf16 band of mode 1's."""
     mode1 = isolated(through_vllm, 1, tmp_path)
-    saved = isolated(through_vllm, 2, tmp_path)
-    loaded = isolated(through_vllm, 2, tmp_path)
+    saved = isolated(through_vllm, 2, tmp_path, (3,))
+    loaded = isolated(through_vllm, 2, tmp_path, (3,))
     assert saved["backbone"] == "kimi_inductor.vllm_k3"
     assert [(r["aot"], r["loaded"]) for r in (mode1, saved, loaded)] == [(False, False), (True, False), (True, True)]
+    assert len(mode1["reports"]) == 1  # fullgraph: one graph
+    for result in (saved, loaded):  # the symbolic compile, then the 3-row one
+        generic, static = result["reports"]
+        assert "(a symbolic batch: compiled again at each capture size" in generic["reason"]
+        assert static["rows"] == 3 and not static["reason"]
+        assert all("mega_moe" in l["rewritten_by"] for l in static["layers"][1:])
     for result in (mode1, saved, loaded):
-        assert len(result["reports"]) == 1  # fullgraph: one graph
-        report = result["reports"][0]
+        report = result["reports"][-1]
         assert report["decoder"] and [l["spelling"] for l in report["layers"]] == ["vllm"] * L
         assert torch.isfinite(result["out"]).all()
-        assert torch.equal(result["out"], saved["out"])
+    assert torch.equal(loaded["out"], saved["out"])
+    assert_in_band([mode1["out"]], [saved["out"]])
 
 
 @pytest.mark.slow
