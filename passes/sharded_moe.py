@@ -197,9 +197,7 @@ def _match(layer: Layer) -> "SimpleNamespace | str":
     why = row_local.reason(region, shard, sink=gather.nodes[-1], also=(pad,))
     if why:
         return f"not proven row-local: {why}"
-    summary = (f"all {x.meta['val'].shape[0]} rows on every rank: shared experts and latent up-projection "
-               f"TP-sharded (1/{G} of their weights), router and latent down replicated; routed experts "
-               f"summed over the ranks (fp32 all-reduce); one all-reduce in place of the all-gather")
+    summary = _summary(x, G, "shared experts", "")
     return SimpleNamespace(E=E, shard=shard, x=x, full=full, gather=gather, pre=pre, normed=normed, w_up=w_up,
                  h=h, w_down_shared=w_down_shared, gu=gu, halves=halves, w_gu=gate_up[1], weights=weights,
                  ids=ids, pad=pad, mask_all=mask_all, mxfp4=E.arg("w13_scale") is not None, region=region, G=G, rank=rank, D=D, L=L, summary=summary)
@@ -259,11 +257,16 @@ def _match_layer_op(layer: Layer, E: OpCall, shard: fx.Node, x: fx.Node, gather,
     why = row_local.reason(region, shard, sink=gather.nodes[-1])
     if why:
         return f"not proven row-local: {why}"
-    summary = (f"all {x.meta['val'].shape[0]} rows on every rank: vLLM's shared experts and latent up-projection "
-               f"TP-sharded (1/{G} of their weights, kimi_vllm.sharded_moe), router and latent down replicated; "
-               f"routed experts summed over the ranks (fp32 all-reduce); one all-reduce in place of the all-gather")
     return SimpleNamespace(layer_op=True, E=E, shard=shard, x=x, gather=gather, pre=pre, normed=normed, w_up=w_up,
-                           outs=outs, region=region, G=G, rank=rank, L=L, summary=summary, mxfp4=None)
+                           outs=outs, region=region, G=G, rank=rank, L=L,
+                           summary=_summary(x, G, "vLLM's shared experts", ", kimi_vllm.sharded_moe"))
+
+
+def _summary(x: fx.Node, G: int, shared: str, how: str) -> str:
+    """The layer's ``moe_layout`` note."""
+    return (f"all {x.meta['val'].shape[0]} rows on every rank: {shared} and latent up-projection TP-sharded "
+            f"(1/{G} of their weights{how}), router and latent down replicated; routed experts summed over the "
+            "ranks (fp32 all-reduce); one all-reduce in place of the all-gather")
 
 
 def _halves(gu: fx.Node) -> list[fx.Node] | None:
