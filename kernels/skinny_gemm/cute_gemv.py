@@ -732,10 +732,11 @@ def preload_steps() -> int:
     return int(os.environ.get("KIMI_INDUCTOR_GEMV_PRELOAD", PRELOAD))
 
 
-def staged() -> bool:
+def staged(K: int, cfg: Config, ahead: int) -> bool:
     """Whether the preloaded steps go to shared memory (``stage``) rather than registers:
-    ``KIMI_INDUCTOR_GEMV_STAGE=1``."""
-    return os.environ.get("KIMI_INDUCTOR_GEMV_STAGE", "0") == "1"
+    ``KIMI_INDUCTOR_GEMV_STAGE=1`` everywhere, ``=whole`` where they are the whole K chunk."""
+    mode = os.environ.get("KIMI_INDUCTOR_GEMV_STAGE", "0")
+    return mode == "1" or mode == "whole" and ahead >= K // (STEP * cfg.split)
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -768,7 +769,7 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
         x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
     ahead = preload_steps() if on else 0
-    stage = staged()
+    stage = staged(K, cfg, ahead)
     key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, stage, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
