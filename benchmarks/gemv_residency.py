@@ -1,15 +1,14 @@
-"""Registers and shared memory of the CuTe GEMV per preload depth, and how many of its CTAs
-an SM90 GPU holds at once, compiled for sm_90a on the CPU (no GPU needed) as it launches
-(PDL, the shape's dispatched config, one output row block per CTA).
+"""Registers of the CuTe GEMV per preload depth, and how many of its CTAs an SM90 GPU holds
+at once, compiled for sm_90a on the CPU (no GPU needed) as it launches (PDL, the shape's
+dispatched config, one output row block per CTA).
 
-    python benchmarks/gemv_residency.py [--shape attn_o_proj] [--rows 1] [--preload 0 2 3 4 6] [--stage]
+    python benchmarks/gemv_residency.py [--shape attn_o_proj] [--rows 1] [--preload 0 2 3 4 6]
 
 A warp's preloaded weights are live in registers from before its PDL wait to the end
-of its K loop (or, with ``--stage``, in shared memory); CTAs that do not fit beside the
-others start only as earlier ones exit, so their weights stream after the wait. Resident
-CTAs: per SM the least of 2048 threads, 65536 registers (per thread rounded up to 8) and
-228 KB of shared memory (1 KB more per CTA), x 132 SMs (the kernel before the GEMV, e.g.
-KDA's 48 programs, takes some of that)."""
+of its K loop; CTAs that do not fit beside the others start only as earlier ones exit,
+so their weights stream after the wait. Resident CTAs: per SM min(8 by threads, 65536
+registers / (threads x registers rounded up to 8)), x 132 SMs (the kernel before the
+GEMV, e.g. KDA's 48 programs, takes some of that)."""
 
 from __future__ import annotations
 
@@ -32,14 +31,10 @@ from kimi_inductor.kernels.skinny_gemm import cute_gemv as G
 from gemm import SHAPES
 
 
-SMEM = 228 * 1024  # bytes of shared memory per SM, and 1 KB reserved per CTA
-CTA_SMEM = 1024
-
-
-def registers(M: int, N: int, K: int, cfg: G.Config, preload: int, stage: bool = False) -> int:
+def registers(M: int, N: int, K: int, cfg: G.Config, preload: int) -> int:
     """Registers per thread of the sm_90a build (ptxas -v on the DSL's PTX)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    exe = G.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=True, preload=preload, stage=stage)
+    exe = G.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=True, preload=preload)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.7", exe.artifacts.PTX, count=1, flags=re.M)  # Triton's ptxas
         src = os.path.join(tmp, "gemv.ptx")
@@ -55,7 +50,6 @@ def main() -> None:
     p.add_argument("--shape", default="attn_o_proj", choices=list(SHAPES))
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--preload", type=int, nargs="+", default=[0, 2, 3, 4, 6])
-    p.add_argument("--stage", action="store_true", help="the preloaded steps in shared memory")
     args = p.parse_args()
     N, K, _ = SHAPES[args.shape]
     cfg = G.config(args.rows, N, K)
@@ -65,10 +59,9 @@ def main() -> None:
     print(f"{args.shape} N={N} K={K} M={args.rows} {cfg}: {ctas} CTAs of {threads} threads, {steps} warp steps")
     fits = [0]
     for preload in args.preload:
-        regs = registers(args.rows, N, K, cfg, preload, args.stage)
-        smem = min(preload, steps) * cfg.warps * cfg.r * G.STEP * 2 if args.stage else 0  # bf16 W
-        per_sm = min(2048 // threads, 65536 // (threads * -(-regs // 8) * 8), SMEM // (smem + CTA_SMEM))
-        print(f"preload={min(preload, steps)} registers={regs} smem={smem} ctas_per_sm={per_sm} resident={per_sm * SMS} "
+        regs = registers(args.rows, N, K, cfg, preload)
+        per_sm = min(2048 // threads, 65536 // (threads * -(-regs // 8) * 8))
+        print(f"preload={min(preload, steps)} registers={regs} ctas_per_sm={per_sm} resident={per_sm * SMS} "
               f"of {ctas} ({min(1.0, per_sm * SMS / ctas):.0%})", flush=True)
         if per_sm * SMS >= ctas:
             fits.append(min(preload, steps))

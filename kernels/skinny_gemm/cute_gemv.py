@@ -190,11 +190,9 @@ class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0,
-                 stage: bool = False):
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0):
         self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
         self.preload = min(preload, k // (STEP * split)) if pdl else 0  # warp steps of W read before the wait
-        self.stage = stage and self.preload > 0  # the preloaded steps go to shared memory (cp.async)
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
         self.eps, self.inv_k = fusion.eps or 0.0, 1.0 / max(k, 1)
@@ -225,8 +223,7 @@ class SplitKGemv:
         n0 = bx * self.tile + cute.arch.warp_idx() * self.r
         half = self.half if const_expr(self.half and self.split == 1) else n  # as tile_of / split_tile read W
         kv0 = s * (k // (STEP * self.split)) * WARP + cute.arch.lane_idx()
-        ahead = self.read_ahead(w, n0, n, half, kv0, load_w,
-                               _staging(self.in_dtype) if const_expr(self.stage) else load_w)
+        ahead = self.read_ahead(w, n0, n, half, kv0, load_w)
         pdl_wait(self.pdl)
         if const_expr(self.split == 1):
             self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x, ahead)
@@ -289,33 +286,19 @@ class SplitKGemv:
         return part, sq
 
     @cute.jit
-    def read_ahead(self, w: cute.Tensor, n0: Int32, n: Int32, half, kv0: Int32, load_w: cute.CopyAtom,
-                   stage_w: cute.CopyAtom):
+    def read_ahead(self, w: cute.Tensor, n0: Int32, n: Int32, half, kv0: Int32, load_w: cute.CopyAtom):
         """The warp's weight vectors of its first ``preload`` warp steps, [steps, weight rows,
-        VEC] as ``dot`` reads them (nothing read past the last output), read by ``stage_w``:
-        into registers (``load_w``), or with ``stage`` into the lane's slots of a
-        shared-memory buffer [warps, steps, weight rows, lanes, VEC] by ``cp.async``
-        (``_staging``; one commit group, which ``dot`` waits for), holding no registers
-        across the PDL wait."""
-        steps: cutlass.Constexpr = max(self.preload, 1)
-        if const_expr(self.stage):
-            buf = cutlass.memory.SmemAllocator().allocate_tensor(
-                self.in_dtype, cute.make_layout((self.warps, steps, self.wrows, WARP, VEC),
-                                                stride=(steps * self.wrows * STEP, self.wrows * STEP, STEP, VEC, 1)),
-                byte_alignment=16)
-            ahead = buf[cute.arch.warp_idx(), None, None, cute.arch.lane_idx(), None]
-        else:
-            ahead = cute.make_rmem_tensor(
-                cute.make_layout((steps, self.wrows, VEC), stride=(self.wrows * VEC, VEC, 1)), self.in_dtype)
+        VEC] in registers (rows as ``dot`` reads them; nothing read past the last output)."""
+        ahead = cute.make_rmem_tensor(
+            cute.make_layout((max(self.preload, 1), self.wrows, VEC), stride=(self.wrows * VEC, VEC, 1)),
+            self.in_dtype)
         if const_expr(self.preload > 0):
             if n0 < n:
                 wv = cute.logical_divide(w, (None, VEC))
                 for t in cutlass.range_constexpr(self.preload):
                     for j in cutlass.range_constexpr(self.wrows):
-                        cute.copy(stage_w, wv[n0 + j % self.r + (j // self.r) * half, (None, kv0 + t * WARP)],
+                        cute.copy(load_w, wv[n0 + j % self.r + (j // self.r) * half, (None, kv0 + t * WARP)],
                                   ahead[t, j, None])
-            if const_expr(self.stage):
-                cute.arch.cp_async_commit_group()
         return ahead
 
     @cute.jit
@@ -336,14 +319,8 @@ class SplitKGemv:
         wr = cute.make_rmem_tensor(cute.make_layout((wrows, VEC), stride=(VEC, 1)), self.in_dtype)
         gr = cute.make_rmem_tensor(cute.make_layout(VEC), self.in_dtype)
         gv = cute.logical_divide(gamma, (None, VEC))  # gamma [1, K]
-        if const_expr(self.stage):
-            cute.arch.cp_async_wait_group(0)  # this lane's own copies: no barrier
         for t in cutlass.range_constexpr(self.preload):
-            wt = ahead[t, None, None]
-            if const_expr(self.stage):
-                wr.store(wt.load())
-                wt = wr
-            self.accumulate(xv, gv, kv0 + t * WARP, wt, xr, gr, load_x, part, sq)
+            self.accumulate(xv, gv, kv0 + t * WARP, ahead[t, None, None], xr, gr, load_x, part, sq)
         for t in cutlass.range(self.preload, steps, 1, unroll=self.unroll):
             kv = kv0 + t * WARP
             for j in cutlass.range_constexpr(wrows):  # SiTU: gate rows n0.., then up rows half + n0..
@@ -688,29 +665,21 @@ def _loads(in_dtype):
     return load_w, load_x
 
 
-def _staging(in_dtype):
-    """The 16-byte global -> shared ``cp.async`` of staged weights (L2 only, as they stream)."""
-    return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                               in_dtype, num_bits_per_copy=VEC * in_dtype.width)
-
-
 def _fake(dtype, shape):
     return make_fake_compact_tensor(DTYPES[dtype], shape, stride_order=tuple(reversed(range(len(shape)))),
                                     assumed_align=16)
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0,
-                 stage: bool = False):
+                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
     N: the weight's rows; ``pdl``: launched with programmatic dependent launch;
     ``x_stride``: x's row stride (``row_stride``), K when omitted; ``preload``: warp steps
-    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps),
-    into shared memory with ``stage``."""
+    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps)."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
-                        fusion, K, pdl=pdl, preload=preload, stage=stage)
+                        fusion, K, pdl=pdl, preload=preload)
     n_out = N // 2 if fusion.situ else N
     x = make_fake_tensor(cutlass.BFloat16, (M, K), (x_stride or K, 1), assumed_align=16)
     args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
@@ -730,13 +699,6 @@ def preload_steps() -> int:
     kernel before it: PRELOAD, or ``KIMI_INDUCTOR_GEMV_PRELOAD`` (0: none, to measure
     what it gives)."""
     return int(os.environ.get("KIMI_INDUCTOR_GEMV_PRELOAD", PRELOAD))
-
-
-def staged(K: int, cfg: Config, ahead: int) -> bool:
-    """Whether the preloaded steps go to shared memory (``stage``) rather than registers:
-    ``KIMI_INDUCTOR_GEMV_STAGE=1`` everywhere, ``=whole`` where they are the whole K chunk."""
-    mode = os.environ.get("KIMI_INDUCTOR_GEMV_STAGE", "0")
-    return mode == "1" or mode == "whole" and ahead >= K // (STEP * cfg.split)
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -769,15 +731,14 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
         x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
     ahead = preload_steps() if on else 0
-    stage = staged(K, cfg, ahead)
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, stage, x.device.index)
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
         counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
         _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
-                                       x_stride=stride, preload=ahead, stage=stage), counters
+                                       x_stride=stride, preload=ahead), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
     ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)
