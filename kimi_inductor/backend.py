@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -37,6 +38,8 @@ from .by_size import BySize, row_argument
 from .config import Options
 from .passes.manager import KimiPasses, MatchError, Observer  # MatchError: also kimi_inductor.MatchError
 from .passes.report import MatchReport
+
+log = logging.getLogger(__name__)
 
 
 class StrictMatchError(MatchError, ShortenTraceback):
@@ -89,11 +92,17 @@ class KimiSpecialized:
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> CompiledGraph:
         graph = CompiledGraph.of(None, gm, example_inputs, self.options.to_json())
         compiled, report = self._compile(gm, example_inputs)
-        sizes = self.options.decode.capture_sizes
-        where = row_argument(example_inputs, report.rows) if sizes and isinstance(report.rows, str) else None
-        if where is not None:  # a symbolic batch: compiled again at each capture size (by_size.py)
-            pristine = graph.graph
-            compiled = BySize(compiled, lambda args: self._compile(copy_graph(pristine), args)[0], where, sizes)
+        if report.per_size:  # a symbolic batch: compiled again at each capture size (by_size.py)
+            where = row_argument(example_inputs, report.rows)
+            if where is None:
+                report.reason += f" -- not done: the batch symbol {report.rows} is none of the graph's arguments"
+                if self.options.strict:
+                    raise StrictMatchError(f"kimi_specialized (strict): {report.reason}")
+                log.warning("kimi_specialized graph %d: %s", report.graph, report.reason)
+            else:
+                pristine = graph.graph
+                compiled = BySize(compiled, lambda args: self._compile(copy_graph(pristine), args)[0], where,
+                                  self.options.decode.capture_sizes)
         graph.compiled = compiled
         return graph
 

@@ -92,7 +92,7 @@ def refusal(dg: DecoderGraph, options: Options) -> str:
         return f"graph has TP size {size}, options say decode.tp={decode.tp}"
     if decode.q is not None and dg.q is not None and dg.q != decode.q:
         return f"graph verifies q={dg.q} tokens per request, options say decode.q={decode.q}"
-    if _per_size(dg, options):  # a SymInt would compare by its hint
+    if _per_size(dg, options):  # a SymInt would compare by its hint (the backend reads report.per_size)
         return (f"batch rows {dg.tokens} not in decode.capture_sizes {list(decode.capture_sizes)} (a symbolic "
                 "batch: compiled again at each capture size, on its first call)")
     if decode.capture_sizes and dg.tokens not in decode.capture_sizes:
@@ -127,6 +127,7 @@ class KimiPasses(CustomGraphPass):
         report.group_size = dg.group_size
         report.layers = [LayerReport(l.index, l.kind, l.mlp, spelling=l.spelling, notes=_dcp_note(l))
                          for l in dg.layers]
+        report.per_size = _per_size(dg, options)
         report.reason = refusal(dg, options)
         ctx, meta = PassContext(gm, options, report, dg), MetaUpdater(gm)
         if report.reason:
@@ -149,7 +150,7 @@ class KimiPasses(CustomGraphPass):
         report.collectives_after = collectives.count(graph)
         log.info("kimi_specialized match report\n%s", report.format())
         required = {"hybrid_attention"} & set(options.passes) or set(options.passes)
-        if options.strict and dg.layers and not _per_size(dg, options) and \
+        if options.strict and dg.layers and not report.per_size and \
                 not all(required & set(l.rewritten_by) for l in report.layers):
             raise MatchError(f"kimi_specialized (strict): not every layer was rewritten\n{report.format()}")
 

@@ -54,6 +54,7 @@ class MatchReport:
     layout: str = "none"  # as compiled: sp | tp | single | mixed | none
     layout_after: str = "none"  # after the passes (hybrid when hybrid_attention rewrote)
     rows: int | str | None = None  # T, or its symbol's name for a symbolic batch
+    per_size: bool = False  # a symbolic batch with capture sizes: compiled again at each (by_size.py)
     group_size: int | None = None
     reason: str = ""
     layers: list[LayerReport] = field(default_factory=list)

@@ -315,6 +315,39 @@ def test_a_symbolic_batch_is_compiled_again_at_each_capture_size():
     by_size_steps("cpu", "eager")
 
 
+def test_a_symbolic_batch_whose_symbol_is_no_argument_says_so(monkeypatch):
+    """Where the batch symbol cannot be found among the graph's arguments (``row_argument``
+    None: not seen from Dynamo, guarded here), the graph is not compiled per size: the
+    report says so rather than promise it, the step runs the unrewritten compile, and
+    ``strict`` raises naming the cause."""
+    from kimi_inductor import backend as B
+    from kimi_inductor.stock import KimiK3Config, Parallel
+    from kimi_inductor.stock.batch import DecodeBatch
+    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
+
+    monkeypatch.setattr(B, "row_argument", lambda example_inputs, rows: None)
+    config = KimiK3Config.preset("tiny")
+    model = build_model(config, random_checkpoint(config), Parallel("tp", None))
+    batch = DecodeBatch(3, 2, 1, config.vocab_size)  # T = 8, symbolic
+    caches = [model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q) for _ in "ab"]
+    inputs = model.validate_step(batch.step(), caches[0])
+    for strict in (False, True):
+        backend = KimiSpecialized({"compiler": "eager", "strict": strict, "decode": {"capture_sizes": [8]}})
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, dynamic=True)
+        with torch.no_grad():
+            if strict:
+                with pytest.raises(MatchError, match="none of the graph's arguments"):
+                    compiled(inputs, caches[0])
+                continue
+            got, want = compiled(inputs, caches[0]), model(inputs, caches[1])
+        (report,) = backend.reports
+        assert report.per_size and report.reason.endswith(
+            f"-- not done: the batch symbol {report.rows} is none of the graph's arguments")
+        assert not any(l.rewritten_by for l in report.layers)
+        assert torch.equal(got, want)  # the eager compiler without a rewrite: stock's bits
+
+
 @pytest.mark.gpu
 def test_a_symbolic_batch_is_compiled_again_at_each_capture_size_by_inductor_on_a_gpu():
     if not torch.cuda.is_available():
