@@ -275,27 +275,38 @@ def test_aot_compiled_function_saves_and_loads_in_a_fresh_process(tmp_path):
     assert "lower_kernels" in loaded.stdout
 
 
+def tiny_one_rank(device: str = "cpu"):
+    """The tiny stock model on one rank, and a step of it: ``step(requests)`` -> (inputs,
+    two empty caches), T = (requests + 1 padding) x q = 2."""
+    from kimi_inductor.stock import KimiK3Config, Parallel
+    from kimi_inductor.stock.batch import DecodeBatch
+    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
+
+    config = KimiK3Config.preset("tiny")
+    model = build_model(config, random_checkpoint(config), Parallel("tp", None), device=device)
+
+    def step(requests):
+        batch = DecodeBatch(requests, 2, 1, config.vocab_size)
+        caches = [model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q, device=device)
+                  for _ in "ab"]
+        return model.validate_step(batch.step(), caches[0]).to(device), caches
+
+    return model, step
+
+
 def by_size_steps(device: str, compiler: str) -> None:
     """vLLM's modes 1 and 2 give one graph with a symbolic T. With decode.capture_sizes
     the backend compiles it as it is (the passes refuse: T is no capture size) and, on
     the first call at a capture size, again with that call's static shapes, where every
     pass applies; a second call at that size reuses it, a size outside runs the symbolic
     compile. Each output agrees with the stock model's eager step (bf16 band)."""
-    from kimi_inductor.stock import KimiK3Config, Parallel
-    from kimi_inductor.stock.batch import DecodeBatch
-    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
-
-    config = KimiK3Config.preset("tiny")
-    model = build_model(config, random_checkpoint(config), Parallel("tp", None), device=device)  # one rank
+    model, fresh_step = tiny_one_rank(device)
     backend = KimiSpecialized({"compiler": compiler, "decode": {"capture_sizes": [8]}})
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, dynamic=True)
 
-    def step(requests):  # T = (requests + 1 padding) x q = 2, from empty caches
-        batch = DecodeBatch(requests, 2, 1, config.vocab_size)
-        caches = [model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q, device=device)
-                  for _ in "ab"]
-        inputs = model.validate_step(batch.step(), caches[0]).to(device)
+    def step(requests):
+        inputs, caches = fresh_step(requests)
         with torch.no_grad():
             return compiled(inputs, caches[0]), model(inputs, caches[1])
 
@@ -321,16 +332,10 @@ def test_a_symbolic_batch_whose_symbol_is_no_argument_says_so(monkeypatch):
     report says so rather than promise it, the step runs the unrewritten compile, and
     ``strict`` raises naming the cause."""
     from kimi_inductor import backend as B
-    from kimi_inductor.stock import KimiK3Config, Parallel
-    from kimi_inductor.stock.batch import DecodeBatch
-    from kimi_inductor.stock.checkpoint import build_model, random_checkpoint
 
     monkeypatch.setattr(B, "row_argument", lambda example_inputs, rows: None)
-    config = KimiK3Config.preset("tiny")
-    model = build_model(config, random_checkpoint(config), Parallel("tp", None))
-    batch = DecodeBatch(3, 2, 1, config.vocab_size)  # T = 8, symbolic
-    caches = [model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q) for _ in "ab"]
-    inputs = model.validate_step(batch.step(), caches[0])
+    model, step = tiny_one_rank()
+    inputs, caches = step(3)  # T = 8, symbolic
     for strict in (False, True):
         backend = KimiSpecialized({"compiler": "eager", "strict": strict, "decode": {"capture_sizes": [8]}})
         torch._dynamo.reset()
