@@ -20,14 +20,9 @@ request) against a chunk of the request's positions:
   log-sum-exp weights and rounds once to bf16: a program per (row, L block) loads every
   split's partial at once ([SPLITS, BL]), so its latency does not grow with the splits.
 
-The step's own rows [kv_c | k_pe] need no launch of their own: in the split kernel one
-program per request stores them at their slots, and the programs whose chunk holds the
-step's positions (seq - q .. seq - 1) attend them from kv_c / k_pe rather than read them
-back (a token's slot is its position's row in the block table; slot -1: not written,
-the cache's row attended, as stock). That replaces the cat and the indexed write stock's
-reference runs as separate ATen kernels. Under DCP and DSA ``_insert_kernel``
-(``insert``: one program per token) writes them before the attention, as it does
-everywhere with ``KIMI_INDUCTOR_MLA_INSERT=separate`` (to measure what the fusion gives).
+Before them ``_insert_kernel`` (``insert``) writes the step's rows into the cache: one
+program per token stores [kv_c | k_pe] at its slot, in place of the cat and the indexed
+write stock's reference runs as separate ATen kernels.
 
 SPLITS is chosen on the host from static sizes only (request count, the block table's
 capacity), so the op is capturable in CUDA graphs; each program divides its request's
@@ -55,7 +50,6 @@ reads the top-k rows, whatever the context; splits divide the list, not the cont
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -89,10 +83,10 @@ if triton is not None:
     @triton.jit
     def _mla_split_kernel(qn_ptr, stride_qn_t, stride_qn_h, qp_ptr, stride_qp_t, stride_qp_h, cache_ptr,
                           table_ptr, stride_table, seq_ptr, sel_ptr, stride_sel, list_ptr, stride_list, count_ptr,
-                          acc_ptr, ml_ptr, a_ptr, stride_a, b_ptr, stride_b, slot_ptr, N, Q, R_DIM, scale, dcp_rank,
-                          dcp_size, L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                          acc_ptr, ml_ptr, N, Q, R_DIM, scale, dcp_rank, dcp_size,
+                          L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
                           BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, HAS_LIST: tl.constexpr,
-                          FRESH: tl.constexpr, DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+                          DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         r = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # (token j, head n) pairs of request r
@@ -111,12 +105,6 @@ if triton is not None:
             qp = qp.to(tl.float32)
         seq = tl.load(seq_ptr + r)
         last = seq - Q + rows // N  # the last (global) position each row sees
-        if FRESH:  # the step's own rows [a | b]: stored at their slots by the request's last split
-            # (the one with the least to read: often nothing)
-            if (tl.program_id(1) == 0) & (split == tl.num_programs(2) - 1):
-                for t in range(Q):
-                    _store_row(a_ptr + (r * Q + t) * stride_a, b_ptr + (r * Q + t) * stride_b,
-                               tl.load(slot_ptr + r * Q + t).to(tl.int64), cache_ptr, L, R_DIM, L, RP, ROW, BLOCK, 0, 1)
         local_len = tl.maximum(seq - dcp_rank + dcp_size - 1, 0) // dcp_size  # this rank's positions < seq
         if HAS_LIST:  # the split's share of the request's listed positions
             local_len = tl.load(count_ptr + r)
@@ -138,16 +126,6 @@ if triton is not None:
             kv = tl.load(cache_ptr + phys[:, None] + dl[None, :], mask=pmask[:, None], other=0.0)  # [BS, L]
             kp = tl.load(cache_ptr + phys[:, None] + L + dr[None, :], mask=pmask[:, None] & (dr < R_DIM)[None, :],
                          other=0.0)
-            if FRESH:
-                if p0 + BS > seq - Q:  # the step's own positions: their rows from a / b, as written
-                    own = r * Q + pos - (seq - Q)  # the token at each position
-                    fresh = pmask & (pos >= seq - Q)
-                    fresh &= tl.load(slot_ptr + own, mask=fresh, other=-1) >= 0  # slot -1: not written
-                    kv = tl.where(fresh[:, None], tl.load(a_ptr + own[:, None] * stride_a + dl[None, :],
-                                                          mask=fresh[:, None], other=0.0).to(kv.dtype), kv)
-                    kp = tl.where(fresh[:, None], tl.load(b_ptr + own[:, None] * stride_b + dr[None, :],
-                                                          mask=fresh[:, None] & (dr < R_DIM)[None, :],
-                                                          other=0.0).to(kp.dtype), kp)
             if DOT_F32:
                 kv = kv.to(tl.float32)
                 kp = kp.to(tl.float32)
@@ -212,23 +190,17 @@ if triton is not None:
         slots < 0."""
         pdl_wait(PDL)
         t = tl.program_id(0)
-        _store_row(a_ptr + t * stride_a, b_ptr + t * stride_b, tl.load(slot_ptr + t).to(tl.int64), cache_ptr, A, B,
-                   AP, BP, ROW, block_local, dcp_rank, dcp_size)
-
-    @triton.jit
-    def _store_row(a_row, b_row, slot, cache_ptr, A, B, AP: tl.constexpr, BP: tl.constexpr, ROW: tl.constexpr,
-                   block_local, dcp_rank, dcp_size):
-        """One token's row [a | b] stored at its slot (``_insert_kernel``'s semantics)."""
+        slot = tl.load(slot_ptr + t).to(tl.int64)
         virtual = block_local * dcp_size
         offset = slot % virtual
         if (slot >= 0) & (offset % dcp_size == dcp_rank):
             row = cache_ptr + ((slot // virtual) * block_local + offset // dcp_size) * ROW
             da = tl.arange(0, AP)
-            x = tl.load(a_row + da, mask=da < A)
+            x = tl.load(a_ptr + t * stride_a + da, mask=da < A)
             tl.store(row + da, x.to(cache_ptr.dtype.element_ty), mask=da < A)
             if B > 0:
                 db = tl.arange(0, BP)
-                y = tl.load(b_row + db, mask=db < B)
+                y = tl.load(b_ptr + t * stride_b + db, mask=db < B)
                 tl.store(row + A + db, y.to(cache_ptr.dtype.element_ty), mask=db < B)
 
 
@@ -236,7 +208,8 @@ def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = No
            dcp_size: int = 1) -> None:
     """``write_cache(cache, slots, cat([a, b], -1))`` in one launch: a [T, A] (and b [T, B];
     trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP."""
-    a, b = (_rows(t) if t is not None else None for t in (a, b))
+    a, b = ((t.reshape(t.shape[0], -1) if t.stride(-1) == 1 else t.reshape(t.shape[0], -1).contiguous())
+            if t is not None else None for t in (a, b))
     T, A = a.shape
     B = 0 if b is None else b.shape[1]
     assert cache.is_contiguous() and cache.shape[-1] == A + B
@@ -244,11 +217,6 @@ def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = No
     _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, cache.shape[1], dcp_rank, dcp_size,
                          A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),
                          ROW=cache.shape[-1], num_warps=1, **pdl(a.device))
-
-
-def _rows(t: Tensor) -> Tensor:
-    """[T, ...] as [T, n] rows with unit element stride (a view where it can be)."""
-    return t.reshape(t.shape[0], -1) if t.stride(-1) == 1 else t.reshape(t.shape[0], -1).contiguous()
 
 
 def tiles(bm: int) -> tuple[int, int]:
@@ -286,10 +254,8 @@ def mla_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cac
     tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode")
     if not _use_triton(ql_nope, q_pe):
         return reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
-    if os.environ.get("KIMI_INDUCTOR_MLA_INSERT") == "separate":  # to measure what the fused write gives
-        insert(kv_cache, slot_mapping, kv_c, k_pe)
-        return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
-    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, fresh=(kv_c, k_pe, slot_mapping))
+    insert(kv_cache, slot_mapping, kv_c, k_pe)
+    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
 
 
 def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
@@ -299,17 +265,12 @@ def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
 def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
            listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
-           most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None,
-           fresh: tuple[Tensor, Tensor, Tensor] | None = None):
+           most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
-    request are read. ``fresh`` = (a [T, A], b [T, ...], slot_mapping) (not with DCP or
-    ``listed``): the step's own rows, written by this launch (``insert``'s semantics: one
-    program per request stores them) and attended from a / b, not read back from the
-    cache, so the write needs no launch of its own. Invariant: a token's slot is the
-    physical row its request's block table gives its position (vLLM's, and stock's
-    batches). Tile arguments are for the benchmark's sweep (``benchmarks/mla_kernel.py``)."""
+    request are read. Tile arguments are for the benchmark's sweep
+    (``benchmarks/mla_kernel.py``)."""
     T, N, L = ql_nope.shape
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
     Q = tokens_per_request(T, R, "kimi_kernels MLA attention")
@@ -328,16 +289,13 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     plist, counts = listed if listed is not None else (block_table, seq_lens)
     R_DIM = q_pe.shape[-1]
     assert ql_nope.stride(2) == 1 and q_pe.stride(2) == 1 and kv_cache.is_contiguous()
-    assert fresh is None or (dcp_size == 1 and listed is None), "fresh rows: plain MLA only"
-    a, b, slots = (_rows(fresh[0]), _rows(fresh[1]), fresh[2]) if fresh is not None else (ql_nope, ql_nope, seq_lens)
     launch = pdl(ql_nope.device)
     _mla_split_kernel[(R, groups, n_split)](
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache,
         block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0,
-        plist, plist.stride(0), counts, acc, ml, a, a.stride(0), b, b.stride(0), slots, N, Q, R_DIM, scale,
-        dcp_rank, dcp_size, L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
-        HAS_SEL=selected is not None, HAS_LIST=listed is not None, FRESH=fresh is not None,
-        DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
+        plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, scale, dcp_rank, dcp_size,
+        L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
+        HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
         ROUND=ql_nope.dtype == torch.bfloat16, num_warps=num_warps or max(4, bm // 4), num_stages=num_stages,
         **launch)
     sp = triton.next_power_of_2(n_split)

@@ -267,26 +267,24 @@ def test_mla_cache_insert_and_combine_compile_for_sm90():
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
-@pytest.mark.parametrize("has_list, fresh", [(False, True), (True, False)])
-def test_mla_split_kernel_compiles_for_sm90(has_list, fresh):
+@pytest.mark.parametrize("has_list", [False, True])
+def test_mla_split_kernel_compiles_for_sm90(has_list):
     """The split-KV core at K3's TP8 tile (16 rows, 32 positions a step), each program
     sizing its chunk from its request's length, with PDL; its cache tiles stream through
-    ``cp.async`` (given the 16-byte alignment the launcher specialises pointers to). Plain
-    MLA stores and attends the step's own rows (``fresh``), DSA's listed positions not."""
+    ``cp.async`` (given the 16-byte alignment the launcher specialises pointers to)."""
     from kimi_inductor.kernels import mla_decode
 
     sig = {"qn_ptr": "*bf16", "stride_qn_t": "i32", "stride_qn_h": "i32", "qp_ptr": "*bf16", "stride_qp_t": "i32",
            "stride_qp_h": "i32", "cache_ptr": "*bf16", "table_ptr": "*i32", "stride_table": "i32",
            "seq_ptr": "*i32", "sel_ptr": "*i32", "stride_sel": "i32", "list_ptr": "*i32", "stride_list": "i32",
-           "count_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "a_ptr": "*bf16", "stride_a": "i32",
-           "b_ptr": "*bf16", "stride_b": "i32", "slot_ptr": "*i64", "N": "i32", "Q": "i32", "R_DIM": "i32",
+           "count_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "N": "i32", "Q": "i32", "R_DIM": "i32",
            "scale": "fp32", "dcp_rank": "i32", "dcp_size": "i32",
-           **{k: "constexpr" for k in ("L", "RP", "ROW", "BLOCK", "BM", "BS", "HAS_SEL", "HAS_LIST", "FRESH",
-                                       "DOT_F32", "ROUND", "PDL")}}
+           **{k: "constexpr" for k in ("L", "RP", "ROW", "BLOCK", "BM", "BS", "HAS_SEL", "HAS_LIST", "DOT_F32",
+                                       "ROUND", "PDL")}}
     attrs = aligned(sig, [n for n in sig if n.endswith("_ptr")] + ["stride_qn_t", "stride_qn_h", "stride_qp_t",
                                                                    "stride_qp_h"])
     constexprs = {"L": 512, "RP": 64, "ROW": 576, "BLOCK": 64, "BM": 16, "BS": mla_decode.BS, "HAS_SEL": False,
-                  "HAS_LIST": has_list, "FRESH": fresh, "DOT_F32": False, "ROUND": True, "PDL": True}
+                  "HAS_LIST": has_list, "DOT_F32": False, "ROUND": True, "PDL": True}
     src = ASTSource(mla_decode._mla_split_kernel, sig, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "cp.async.cg" in ptx
