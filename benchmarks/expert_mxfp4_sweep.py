@@ -46,7 +46,7 @@ def parts_us(lat, w, ids, c13, t13, c2, t2) -> dict[str, float]:
     """The default call's launches, each alone in a graph (``mma_grouped``'s steps)."""
     E, P = c13.shape[0], ids.numel()
     order, starts, counts, position, slots = X.group_pairs(ids, E)
-    tiles, on = MX.tiles_for(P, slots.numel()), bool(pdl(lat.device)["PDL"])
+    tiles, on = MX.tiles_for(P, slots.numel(), TOP_K), bool(pdl(lat.device)["PDL"])
     h = lat.new_empty(P, I)
     y = torch.empty(P, L, dtype=torch.float32, device=lat.device)
     grouped = (slots, order, starts, counts, w.contiguous().view(-1))
@@ -72,7 +72,7 @@ def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results) -> N
         row = dict(experts=E, rows=rows, experts_hit=hit,
                    floor_us=floor_us(hit * (UP_BYTES + DOWN_BYTES) + rows * L * 6),
                    up_floor_us=floor_us(hit * UP_BYTES), down_floor_us=floor_us(hit * DOWN_BYTES),
-                   default_tiles=MX.tiles_for(rows * TOP_K, min(E, rows * TOP_K)))
+                   default_tiles=MX.tiles_for(rows * TOP_K, min(E, rows * TOP_K), TOP_K))
 
         def op(**kw):
             return X.mma_grouped(lat, w, ids, c13, c2, 4.0, 25.0, t13, t2, **kw)

@@ -461,7 +461,7 @@ def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Ten
     E, n_pairs = w13.shape[0], T * top_k
     I, L = 8 * w13.shape[1], latent.shape[1]
     order, starts, counts, position, slots = group_pairs(topk_ids, E)
-    tiles = tiles or MX.tiles_for(n_pairs, slots.numel())
+    tiles = tiles or MX.tiles_for(n_pairs, slots.numel(), top_k)
     on = bool(pdl(latent.device)["PDL"])
     h = latent.new_empty(n_pairs, I)
     y = torch.empty(n_pairs, L, dtype=torch.float32, device=latent.device)

@@ -19,7 +19,9 @@ Here nothing goes through shared memory and nothing waits on another warp:
   is done, so its weights stream during the up kernel's last wave);
 * the B operand is 8 pairs' rows of x (one n8 tile; NT tiles per pass over the weight),
   one 16-byte load per lane and two MMAs from global memory (L1 / L2: the warps of a CTA
-  share them).
+  share them). An expert with at most 8 pairs takes a one-tile loop whatever NT is (both
+  loops are compiled; the branch is per expert, uniform in the CTA), so NT sized for the
+  busy experts costs the cold ones no MMAs on repeated pairs.
 
 Upcast: register i of a lane's MMA fragment (two values) takes its codes' magnitude bits
 (e1 e0 m) to bf16 bits 8-6 and sign to bit 15 in one shift and AND (registers 0-2; three
@@ -257,14 +259,11 @@ if cutlass is not None:
             """x [rows, K / 2] int32 (bf16 pairs): the latent (gate_up, row = pair // top_k)
             or h (down, row = the pair's position); slots [S]: the expert of each grid row
             (E: none); out: h [P, I] bf16 or y [P, L] fp32."""
-            NT: cutlass.Constexpr = self.tiles
             RB: cutlass.Constexpr = self.rb
             early: cutlass.Constexpr = self.pdl and not self.gate_up  # down: its first codes before the wait
             slot, by, _ = cute.arch.block_idx()
             lane = cute.arch.lane_idx()
             b = (by * self.warps + cute.arch.warp_idx()) * RB  # the warp's first 16-row block
-            g = lane // 4
-            q = lane % 4
             if const_expr(self.pdl and self.gate_up):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()  # the down kernel may load its weights
@@ -274,15 +273,11 @@ if cutlass is not None:
             if e < E and b < cute.size(codes, mode=[1]):
                 count = counts[e]
             start = starts[e % E]
-            blocks_k = cute.size(scales, mode=[2])
             xv = cute.logical_divide(x, (None, 4))  # [row, (4 words, K / 8)]
             cur = cute.make_rmem_tensor(cute.make_layout(16 * RB), Int32)  # per block: 4 chunks x 4 words
             nxt = cute.make_rmem_tensor(cute.make_layout(16 * RB), Int32)
             sw = cute.make_rmem_tensor(cute.make_layout(RB), Int32)
             sw_next = cute.make_rmem_tensor(cute.make_layout(RB), Int32)
-            xr = cute.make_rmem_tensor(cute.make_layout((NT, 2, 4), stride=(8, 4, 1)), Int32)
-            acc = cute.make_rmem_tensor(cute.make_layout((RB, NT, 4), stride=(4 * NT, 4, 1)), Float32)
-            rows = cute.make_rmem_tensor(cute.make_layout(NT), Int32)
             ce, se = _expert(codes, e % E), _expert(scales, e % E)
             sw.fill(0)
             if count > 0:  # the first block's codes (before the wait: the weights do not depend on x)
@@ -292,6 +287,29 @@ if cutlass is not None:
                     sw[r] = se[b + r, 0, lane]
             if const_expr(early):
                 cute.arch.griddepcontrol_wait()
+            args = (xv, ce, se, cur, nxt, sw, sw_next, order, weights, out, start, count, b, lane, load_w, load_x)
+            if const_expr(self.tiles == 1):
+                self.passes(1, *args)
+            else:  # an expert with at most 8 pairs takes the one-tile loop: no MMAs on repeated pairs
+                if count <= 8:
+                    self.passes(1, *args)
+                else:
+                    self.passes(self.tiles, *args)
+
+        @cute.jit
+        def passes(self, NT: cutlass.Constexpr, xv: cute.Tensor, ce: cute.Tensor, se: cute.Tensor, cur: cute.Tensor,
+                   nxt: cute.Tensor, sw: cute.Tensor, sw_next: cute.Tensor, order: cute.Tensor,
+                   weights: cute.Tensor, out: cute.Tensor, start: Int32, count: Int32, b: Int32, lane: Int32,
+                   load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+            """The warp's passes over its blocks' weights, NT n8 tiles of pairs (8 NT) a pass;
+            ``cur`` / ``sw`` hold the first block's codes and scales on entry."""
+            RB: cutlass.Constexpr = self.rb
+            g = lane // 4
+            q = lane % 4
+            blocks_k = cute.size(se, mode=[1])
+            xr = cute.make_rmem_tensor(cute.make_layout((NT, 2, 4), stride=(8, 4, 1)), Int32)
+            acc = cute.make_rmem_tensor(cute.make_layout((RB, NT, 4), stride=(4 * NT, 4, 1)), Float32)
+            rows = cute.make_rmem_tensor(cute.make_layout(NT), Int32)
             for m0 in cutlass.range(0, count, 8 * NT, unroll=1):
                 for nt in cutlass.range_constexpr(NT):  # lane's B column: pair m0 + 8 nt + g
                     p = start + cutlass.min(m0 + 8 * nt + g, count - 1)
@@ -331,14 +349,14 @@ if cutlass is not None:
                     cur.store(nxt.load())
                     sw.store(sw_next.load())
                 for r in cutlass.range_constexpr(RB):
-                    self.epilogue(acc, r, out, weights, order, start, count, m0, b + r, g, q)
+                    self.epilogue(NT, acc, r, out, weights, order, start, count, m0, b + r, g, q)
 
         @cute.jit
-        def epilogue(self, acc: cute.Tensor, r: cutlass.Constexpr, out: cute.Tensor, weights: cute.Tensor,
+        def epilogue(self, NT: cutlass.Constexpr, acc: cute.Tensor, r: cutlass.Constexpr, out: cute.Tensor, weights: cute.Tensor,
                      order: cute.Tensor, start: Int32, count: Int32, m0: Int32, b: Int32, g: Int32, q: Int32):
             """Lane (g, q) holds, per n8 tile, rows g (acc 0, 1) and g + 8 (acc 2, 3) for
             pairs m0 + 8 nt + 2 q + (0, 1)."""
-            for nt in cutlass.range_constexpr(self.tiles):
+            for nt in cutlass.range_constexpr(NT):
                 for h in cutlass.range_constexpr(2):
                     m = m0 + 8 * nt + 2 * q + h
                     if m < count:
@@ -391,15 +409,18 @@ def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: 
     return cute.compile(kernel, *args, options=options)
 
 
-def tiles_for(pairs: int, slots: int) -> int:
-    """n8 tiles of pairs per pass over an expert's weight, from the mean pairs per busy
-    expert: one up to 6, two up to 12, else four. Measured on the H200 at EP 8 shapes
-    (112 experts, docs/results/moe_experts_mxfp4_mma_h200_sweep.json): one tile is best
-    at 1 / 8 / 32 rows (mean 1 / 1.6 / 4.6; two tiles 1.14-1.19x slower), two at 64 rows
-    (mean 9.1; one 1.09x, four 1.41x slower: the loop is bound by its instructions, and
-    every tile adds x loads and MMAs)."""
-    mean = -(-pairs // max(1, slots))
-    return 1 if mean <= 6 else 2 if mean <= 12 else 4
+def tiles_for(pairs: int, slots: int, top_k: int) -> int:
+    """n8 tiles of pairs per pass over an expert's weight (the most: an expert with at most
+    8 pairs takes the one-tile loop whatever this is). One up to 8 rows (a row sends at most
+    one pair to an expert, so no expert has more than 8: one pass), then two while the mean
+    pairs per busy expert is at most 12, else four. With the one-tile loop for cold experts,
+    two tiles beat one at EP 8 shapes (112 experts) from 32 rows on an H100: 674.9 against
+    699.4 us at 32 rows (mean 4.6; the few experts past 8 pairs no longer take two passes),
+    745.4 against 1067.9 at 64 (docs/results/session15_h100/mxfp4_sweep_e112_new.json); before
+    it one tile was best at 1 / 8 / 32 rows on the H200 (moe_experts_mxfp4_mma_h200_sweep.json)."""
+    if pairs // top_k <= 8:
+        return 1
+    return 2 if -(-pairs // max(1, slots)) <= 12 else 4
 
 
 def blocks_per_warp(tiles: int, blocks: int) -> int:

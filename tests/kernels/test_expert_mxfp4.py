@@ -38,10 +38,12 @@ def _routed(T, k, E, L, I):
 
 
 def _hot():
-    """One hot expert (80 pairs: several passes), padding and remote ids, small shapes."""
+    """One hot expert (80 pairs: several passes), one with 11 pairs, one with 7 (the
+    one-tile loop at any tiles), padding and remote ids, small shapes."""
     E, L, I, T = 4, 512, 256, 80
     ids = torch.tensor([[1, E + 1]] * T)
     ids[::7, 1] = 0
+    ids[5::11, 1] = 2
     ids[3] = -1
     return (torch.randn(T, L).to(torch.bfloat16).cuda(), torch.rand(T, 2).cuda(), ids.int().cuda()) + \
         _experts(E, L, I, 3, 118, 126)
