@@ -412,13 +412,15 @@ def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: 
 def tiles_for(pairs: int, slots: int, top_k: int) -> int:
     """n8 tiles of pairs per pass over an expert's weight (the most: an expert with at most
     8 pairs takes the one-tile loop whatever this is). One up to 8 rows (a row sends at most
-    one pair to an expert, so no expert has more than 8: one pass), then two while the mean
-    pairs per busy expert is at most 12, else four. With the one-tile loop for cold experts,
-    two tiles beat one at EP 8 shapes (112 experts) from 32 rows on an H100: 674.9 against
-    699.4 us at 32 rows (mean 4.6; the few experts past 8 pairs no longer take two passes),
-    745.4 against 1067.9 at 64 (docs/results/session15_h100/mxfp4_sweep_e112_new.json); before
-    it one tile was best at 1 / 8 / 32 rows on the H200 (moe_experts_mxfp4_mma_h200_sweep.json)."""
-    if pairs // top_k <= 8:
+    one pair to an expert: one pass) or a mean of 2 pairs per busy expert, two up to a mean
+    of 12, else four. Measured with the one-tile loop for cold experts on an H100
+    (docs/results/session15_h100/mxfp4_sweep_rule.json, us): EP 8 shapes (112 experts),
+    two tiles against one 685.5 / 709.6 at 32 rows (mean 4.6: the few experts past 8
+    pairs no longer take two passes), 739.2 / 1052.0 at 64 (mean 9.1); EP 1 (896) one
+    tile 1.3 % faster at 32 and 64 rows (means 1 and 2: no expert to gain, two blocks per
+    warp to pay); before the one-tile loop one tile was best on the H200 to 32 rows
+    (moe_experts_mxfp4_mma_h200_sweep.json)."""
+    if pairs // top_k <= 8 or -(-pairs // max(1, slots)) <= 2:
         return 1
     return 2 if -(-pairs // max(1, slots)) <= 12 else 4
 
