@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.layer >= layers:
             args.subparser.error(f"argument --layer: the {args.preset} preset has layers 0..{layers - 1}, got {args.layer}")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        return _run(args)
+    except ValueError as e:  # an unsupported deployment (e.g. a TP size the preset's widths do not split)
+        args.subparser.error(str(e))
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import demo, format_demo
 

@@ -33,7 +33,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, fn: Ca
         result: Any = ("ok", fn(*args))
         dist.barrier()  # no rank tears down its connections while a peer still reads its last sends
     except BaseException as exc:  # reported by the parent with the rank's traceback
-        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        result = ("error", isinstance(exc, ValueError) and str(exc),
+                  f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -44,13 +45,19 @@ def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo") -> li
 
     ``fn`` runs with the default process group initialised (``dist.group.WORLD``); with
     ``backend="nccl"`` rank r owns GPU r (``torch.cuda.current_device()``).
-    An exception on any rank is re-raised here as ``RuntimeError`` with its traceback.
+    An exception on any rank is re-raised here as ``RuntimeError`` with its traceback; the
+    same ``ValueError`` on every rank (a refused deployment) as that ``ValueError``, the
+    ranks' tracebacks chained to it.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world, _free_port(), out_dir, backend, fn, args), nprocs=world,
                            start_method="spawn", join=True)
         results = [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world)]
-    errors = [r[1] for r in results if r[0] == "error"]
+    errors = [r[1:] for r in results if r[0] == "error"]
     if errors:
-        raise RuntimeError("\n".join(errors))
+        failure = RuntimeError("\n".join(text for _, text in errors))
+        refusals = {why for why, _ in errors}
+        if len(errors) == world and len(refusals) == 1 and all(refusals):
+            raise ValueError(refusals.pop()) from failure
+        raise failure
     return [r[1] for r in results]

@@ -203,3 +203,17 @@ def test_bad_values_are_refused_up_front(argv, message, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", ["explain", "demo"])
+def test_a_tp_size_the_preset_does_not_split_is_an_error_not_a_traceback(command, capsys):
+    """Refused deployments (ValueError on every rank, ``launch.run_ranks``) end as the
+    CLI's one-line error."""
+    from kimi_inductor.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--ranks", "3"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{command}: error: vocab size 512 is not divisible by the TP size 3" in err
+    assert "Traceback" not in err

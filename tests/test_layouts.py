@@ -63,5 +63,5 @@ def test_layouts_agree_with_one_rank(world, single_rank):
 
 def test_ep_overflow_raises_a_clear_error():
     run = dataclasses.replace(make("tiny", 4, "sp"), max_num_tokens=2, steps=1)
-    with pytest.raises(RuntimeError, match=r"MegaMoE got 8 tokens, but the symmetric buffer was sized for 2"):
+    with pytest.raises(ValueError, match=r"MegaMoE got 8 tokens, but the symmetric buffer was sized for 2"):
         run_ranks(decode, 2, run)
