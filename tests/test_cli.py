@@ -48,6 +48,15 @@ def test_explain_compiles_without_running():
     assert all(l.notes["kernels"].endswith("AttnRes: fused x2") for l in report.layers)
 
 
+@pytest.mark.parametrize("ranks, layout", [(1, "single"), (2, "tp")])
+def test_explain_sees_every_layer_of_a_tp_graph(ranks, layout):
+    """The meta-device capture keeps the TP graph's output (Inductor's joint-graph constant
+    folding replaced it with an empty tensor there, and the last layer went with it)."""
+    report, _ = explain("tiny", "tp", ranks=ranks, requests=4)
+    assert report.decoder and report.layout == layout and len(report.layers) == 9
+    assert all("lower_kernels" in l.rewritten_by for l in report.layers)
+
+
 @pytest.mark.slow
 def test_bench_smoke_runs_the_layer_benchmark_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kimi_inductor", "bench", "--smoke", "--out", str(tmp_path)],
