@@ -352,8 +352,9 @@ if cutlass is not None:
                     self.epilogue(NT, acc, r, out, weights, order, start, count, m0, b + r, g, q)
 
         @cute.jit
-        def epilogue(self, NT: cutlass.Constexpr, acc: cute.Tensor, r: cutlass.Constexpr, out: cute.Tensor, weights: cute.Tensor,
-                     order: cute.Tensor, start: Int32, count: Int32, m0: Int32, b: Int32, g: Int32, q: Int32):
+        def epilogue(self, NT: cutlass.Constexpr, acc: cute.Tensor, r: cutlass.Constexpr, out: cute.Tensor,
+                     weights: cute.Tensor, order: cute.Tensor, start: Int32, count: Int32, m0: Int32, b: Int32,
+                     g: Int32, q: Int32):
             """Lane (g, q) holds, per n8 tile, rows g (acc 0, 1) and g + 8 (acc 2, 3) for
             pairs m0 + 8 nt + 2 q + (0, 1)."""
             for nt in cutlass.range_constexpr(NT):
@@ -420,9 +421,10 @@ def tiles_for(pairs: int, slots: int, top_k: int) -> int:
     tile 1.3 % faster at 32 and 64 rows (means 1 and 2: no expert to gain, two blocks per
     warp to pay); before the one-tile loop one tile was best on the H200 to 32 rows
     (moe_experts_mxfp4_mma_h200_sweep.json)."""
-    if pairs // top_k <= 8 or -(-pairs // max(1, slots)) <= 2:
+    mean = -(-pairs // max(1, slots))
+    if pairs // top_k <= 8 or mean <= 2:
         return 1
-    return 2 if -(-pairs // max(1, slots)) <= 12 else 4
+    return 2 if mean <= 12 else 4
 
 
 def blocks_per_warp(tiles: int, blocks: int) -> int:
