@@ -148,10 +148,13 @@ def test_pass_uuid_covers_options():
     assert Options.from_mapping({"decode": {"capture_sizes": [8]}}).decode == DecodeSettings(capture_sizes=(8,))
 
 
-def test_tp_layout_is_left_stock_and_reported(fake_world):
-    backend, _ = compile_tiny(layout="tp", group=fake_world(2))
+@pytest.mark.parametrize("decode", [{}, {"tp": 2}])
+def test_tp_layout_is_left_stock_and_reported(fake_world, decode):
+    """The TP graph's all-reduces name only their group: G comes from the group, so
+    ``decode.tp`` = 2 is this graph's deployment, not a mismatch."""
+    backend, _ = compile_tiny(layout="tp", group=fake_world(2), options={"decode": decode})
     report = backend.report
-    assert report.decoder and report.layout == "tp"
+    assert report.decoder and report.layout == "tp" and report.group_size == 2
     assert not any("hybrid_attention" in l.rewritten_by for l in report.layers)
     assert all("TP layout" in l.reason for l in report.layers)
     assert report.collectives_after == report.collectives_before

@@ -14,6 +14,7 @@ collectives (``_c10d_functional.*`` + ``wait_tensor``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg
 
@@ -87,6 +88,16 @@ def _emit_all_gather(g: fx.Graph, after: fx.Node, x: fx.Node, like) -> fx.Node:
                              (c10d.wait_tensor.default, lambda ag: (ag,))])
 
 
+def _complete(kind: str, out: fx.Node, bindings: dict) -> None:
+    """An all-reduce names only its group: its size from c10d's group of that name (left
+    out where this process has no such group)."""
+    if "group_size" not in bindings:
+        try:
+            bindings["group_size"] = dist.distributed_c10d._resolve_process_group(bindings["group_name"]).size()
+        except RuntimeError:
+            pass
+
+
 COLLECTIVES = CollectiveSpelling(
     gathers=lambda: [_wait(CallFunction(c10d.all_gather_into_tensor.default, KeywordArg("x"),
                                         KeywordArg("group_size"), KeywordArg("group_name")))],
@@ -98,6 +109,7 @@ COLLECTIVES = CollectiveSpelling(
     emit_all_gather=_emit_all_gather,
     ops=lambda: {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
                  c10d.reduce_scatter_tensor.default: "reduce_scatter"},
+    complete=_complete,
 )
 
 # the EP experts ops: output row r is row r's routed experts (the exchange moves rows, never mixes them)

@@ -161,8 +161,16 @@ def _custom_patterns(name: str, inp) -> list:
 
 def _complete(kind: str, out: fx.Node, bindings: dict) -> None:
     """A custom all-reduce op names no group: its size from the shapes, its name from
-    the vLLM collectives elsewhere in the graph (the TP group's; None when there are none)."""
+    the vLLM collectives elsewhere in the graph (the TP group's; None when there are none).
+    ``vllm::all_reduce`` names only its group: its size from vLLM's group of that name
+    (left out where this process has none)."""
     if "group_name" in bindings:
+        if "group_size" not in bindings:
+            from vllm.distributed import parallel_state  # the graph holds vLLM's ops: vLLM is here
+
+            group = parallel_state._groups.get(bindings["group_name"], lambda: None)()
+            if group is not None:
+                bindings["group_size"] = group.world_size
         return
     call = out
     while call.target is not auto_functionalized_v2:  # under the [:rows] slice and the getitem
