@@ -413,16 +413,15 @@ def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: 
 def tiles_for(pairs: int, slots: int, top_k: int) -> int:
     """n8 tiles of pairs per pass over an expert's weight (the most: an expert with at most
     8 pairs takes the one-tile loop whatever this is). One up to 8 rows (a row sends at most
-    one pair to an expert: one pass) or a mean of 2 pairs per busy expert, two up to a mean
-    of 12, else four. Measured with the one-tile loop for cold experts on an H100
-    (docs/results/session15_h100/mxfp4_sweep_rule.json, us): EP 8 shapes (112 experts),
-    two tiles against one 685.5 / 709.6 at 32 rows (mean 4.6: the few experts past 8
-    pairs no longer take two passes), 739.2 / 1052.0 at 64 (mean 9.1); EP 1 (896) one
-    tile 1.3 % faster at 32 and 64 rows (means 1 and 2: no expert to gain, two blocks per
-    warp to pay); before the one-tile loop one tile was best on the H200 to 32 rows
-    (moe_experts_mxfp4_mma_h200_sweep.json)."""
+    one pair to an expert: one pass) or a mean of 3 pairs per busy expert (rounded up), two
+    up to 12, else four. Measured with the one-tile loop for cold experts on an H100
+    (docs/results/session15_h100/mxfp4_sweep_{rule,e112_r16}.json, us): EP 8 shapes (112
+    experts), one tile against two 622.5 / 632.9 at 16 rows (mean 2.3), two against one
+    685.5 / 709.6 at 32 (mean 4.6: the few experts past 8 pairs no longer take two passes)
+    and 739.2 / 1052.0 at 64 (mean 9.1); EP 1 (896), one tile 1.3 % faster at 32 and 64
+    rows (means 1 and 1.1: no expert to gain, two blocks per warp to pay)."""
     mean = -(-pairs // max(1, slots))
-    if pairs // top_k <= 8 or mean <= 2:
+    if pairs // top_k <= 8 or mean <= 3:
         return 1
     return 2 if mean <= 12 else 4
 
