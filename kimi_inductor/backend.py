@@ -227,9 +227,9 @@ def _vllm_options() -> Options | None:
     return current_vllm_options()
 
 
-def match_report(compiled: torch.nn.Module | Callable) -> MatchReport | None:
+def match_report(compiled: torch.nn.Module | Callable) -> MatchReport:
     """The latest match report of a model compiled with ``kimi_specialized`` (by
-    name or as a ``KimiSpecialized`` object); None for other backends."""
+    name or as a ``KimiSpecialized`` object); ``ValueError`` for anything else."""
     obj, options = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None), None
     for _ in range(16):  # Dynamo's wrappers: CatchErrors -> ConvertFrame -> debug -> compile wrapper
         if isinstance(obj, KimiSpecialized):
@@ -240,4 +240,5 @@ def match_report(compiled: torch.nn.Module | Callable) -> MatchReport | None:
             options = obj.kwargs.get("options", options)
         obj = next((getattr(obj, a) for a in ("_torchdynamo_orig_backend", "compiler_fn", "_inner_convert")
                     if getattr(obj, a, obj) is not obj), None)
-    return None
+    raise ValueError(f"match_report: {type(compiled).__name__} is not compiled by kimi_specialized; pass what "
+                     "torch.compile(model, backend='kimi_specialized') returned")

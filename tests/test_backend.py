@@ -36,6 +36,13 @@ def test_entry_point_works_in_a_fresh_process_without_importing_us():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_match_report_of_something_not_compiled_by_us_says_what_to_pass():
+    m = torch.nn.Linear(4, 4)
+    for other in (m, torch.compile(m, backend="eager")):
+        with pytest.raises(ValueError, match="not compiled by kimi_specialized; pass what torch.compile"):
+            match_report(other)
+
+
 def test_register_is_idempotent():
     kimi_inductor.register()
     kimi_inductor.register()
