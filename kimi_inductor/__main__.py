@@ -103,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         if (args.preset, args.layout, args.q) != ("tiny", "sp", 1):
             args.subparser.error("--vllm explains vLLM's own tiny K3 in its SP layout at q = 1: "
                                  "--preset, --layout and --q do not apply")
+    if args.command == "bench" and args.only:
+        from .bench import SUITE
+
+        if args.smoke or args.step:
+            args.subparser.error("argument --only: not with --smoke or --step (each names its own benchmarks)")
+        if unknown := [n for n in args.only if n not in SUITE]:
+            args.subparser.error(f"argument --only: no benchmark named {', '.join(unknown)}; the suite: "
+                                 f"{', '.join(SUITE)}")
     if args.command == "bench" and not args.smoke:
         import torch
 

@@ -202,6 +202,8 @@ def test_help_shows_a_line_and_the_default_per_flag():
     (["explain", "--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
     (["explain", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
     (["explain", "--preset", "tiny", "--layer", "9"], "argument --layer: the tiny preset has layers 0..8, got 9"),
+    (["bench", "--only", "kda_layer_q1", "nonexistent"], "argument --only: no benchmark named nonexistent; the suite: "),
+    (["bench", "--smoke", "--only", "kda_layer_q1"], "argument --only: not with --smoke or --step"),
 ])
 def test_bad_values_are_refused_up_front(argv, message, capsys):
     import re
