@@ -104,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             args.subparser.error("--vllm explains vLLM's own tiny K3 in its SP layout at q = 1: "
                                  "--preset, --layout and --q do not apply")
     if args.command == "bench" and args.only:
-        from .bench import SUITE
+        from .bench import check_only
 
         if args.smoke or args.step:
             args.subparser.error("argument --only: not with --smoke or --step (each names its own benchmarks)")
-        if unknown := [n for n in args.only if n not in SUITE]:
-            args.subparser.error(f"argument --only: no benchmark named {', '.join(unknown)}; the suite: "
-                                 f"{', '.join(SUITE)}")
+        try:
+            check_only(args.only)
+        except ValueError as e:
+            args.subparser.error(f"argument --only: {e}")
     if args.command == "bench" and not args.smoke:
         import torch
 

@@ -44,6 +44,12 @@ SUITE = {  # name: (script, arguments)
 STEP = ["decode_step", "decode_step_g2"]  # bench --step
 
 
+def check_only(only: list[str] | None, suite: dict = SUITE) -> None:
+    """``ValueError`` naming the names of ``only`` that ``suite`` does not hold."""
+    if only and (unknown := [n for n in only if n not in suite]):
+        raise ValueError(f"no benchmark named {', '.join(unknown)}; the suite: {', '.join(suite)}")
+
+
 def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> dict[str, str]:
     root = Path(__file__).resolve().parent.parent / "benchmarks"
     if not root.is_dir():
@@ -51,6 +57,7 @@ def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     suite = {"kda_layer_smoke": ("kda_layer.py", ["--smoke", "--rows", "1", "--q", "1"])} if smoke else SUITE
+    check_only(only, suite)
     names = [n for n in suite if only is None or n in only]
     if not smoke:
         import torch
