@@ -13,7 +13,9 @@ pairs of one request: all of them up to 64, so that the cache is streamed once p
 request) against a chunk of the request's positions:
 
   grid (R, ceil(q N / BM), SPLITS). A program streams its chunk BS positions at a time
-  (block table -> physical rows; latent [BS, L] and rope [BS, R] tiles), scores them
+  (latent [BS, L] and rope [BS, R] tiles: where BS divides the block size, chunks start
+  at multiples of BS, so a step's rows are consecutive rows of one block, read as one
+  slab from a single table entry; else each row through the block table), scores them
   with two ``tl.dot`` (latent and rope parts), applies the causal mask of each query
   token, keeps an online softmax (max m, sum l) and accumulates P V in fp32 [BM, L];
   writes (acc, m, l) per split. ``_combine_kernel`` merges the splits with their
@@ -86,7 +88,7 @@ if triton is not None:
                           acc_ptr, ml_ptr, N, Q, R_DIM, scale, dcp_rank, dcp_size,
                           L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
                           BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, HAS_LIST: tl.constexpr,
-                          DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+                          WHOLE: tl.constexpr, DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         r = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # (token j, head n) pairs of request r
@@ -116,16 +118,24 @@ if triton is not None:
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, L], dtype=tl.float32)
+        row_kv = tl.arange(0, BS)[:, None] * ROW + dl[None, :]
+        row_kp = tl.arange(0, BS)[:, None] * ROW + L + dr[None, :]
         for p0 in range(start, end, BS):
             pos = p0 + tl.arange(0, BS)
             pmask = pos < end
             if HAS_LIST:
                 pos = tl.load(list_ptr + r * stride_list + pos, mask=pmask, other=0)
-            block = tl.load(table_ptr + r * stride_table + pos // BLOCK, mask=pmask, other=0)
-            phys = (block.to(tl.int64) * BLOCK + pos % BLOCK) * ROW
-            kv = tl.load(cache_ptr + phys[:, None] + dl[None, :], mask=pmask[:, None], other=0.0)  # [BS, L]
-            kp = tl.load(cache_ptr + phys[:, None] + L + dr[None, :], mask=pmask[:, None] & (dr < R_DIM)[None, :],
-                         other=0.0)
+            if WHOLE:  # BS divides BLOCK and p0 is a multiple of BS: one block's consecutive rows
+                step = cache_ptr + (tl.load(table_ptr + r * stride_table + p0 // BLOCK).to(tl.int64) * BLOCK
+                                    + p0 % BLOCK) * ROW
+                kv = tl.load(step + row_kv, mask=pmask[:, None], other=0.0)  # [BS, L]
+                kp = tl.load(step + row_kp, mask=pmask[:, None] & (dr < R_DIM)[None, :], other=0.0)
+            else:
+                block = tl.load(table_ptr + r * stride_table + pos // BLOCK, mask=pmask, other=0)
+                phys = (block.to(tl.int64) * BLOCK + pos % BLOCK) * ROW
+                kv = tl.load(cache_ptr + phys[:, None] + dl[None, :], mask=pmask[:, None], other=0.0)  # [BS, L]
+                kp = tl.load(cache_ptr + phys[:, None] + L + dr[None, :],
+                             mask=pmask[:, None] & (dr < R_DIM)[None, :], other=0.0)
             if DOT_F32:
                 kv = kv.to(tl.float32)
                 kp = kp.to(tl.float32)
@@ -295,7 +305,8 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
         block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0,
         plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, scale, dcp_rank, dcp_size,
         L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
-        HAS_SEL=selected is not None, HAS_LIST=listed is not None, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
+        HAS_SEL=selected is not None, HAS_LIST=listed is not None,
+        WHOLE=listed is None and block % bs == 0, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
         ROUND=ql_nope.dtype == torch.bfloat16, num_warps=num_warps or max(4, bm // 4), num_stages=num_stages,
         **launch)
     sp = triton.next_power_of_2(n_split)

@@ -13,8 +13,10 @@ import kimi_inductor.kernels  # noqa: F401
 from kimi_inductor.kernels import mla_decode as M
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# (heads, latent L, rope R, block size, blocks per request): K3 at TP8 on the GPU
-SHAPES = [(12, 512, 64, 64, 64)] if DEVICE == "cuda" else [(4, 32, 8, 4, 12)]
+# (heads, latent L, rope R, block size, blocks per request): K3 at TP8 on the GPU; on the
+# CPU blocks narrower than a step (rows gathered one by one) and two steps wide (a step's rows
+# read as one slab of their block)
+SHAPES = [(12, 512, 64, 64, 64)] if DEVICE == "cuda" else [(4, 32, 8, 4, 12), (4, 32, 8, 64, 2)]
 
 
 def _case(R, q, N, L, RD, block, per_req, dtype, seed=0, longest=None):
