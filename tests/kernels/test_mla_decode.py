@@ -56,6 +56,24 @@ def test_matches_stock(R, q, N, L, RD, block, per_req, dtype):
 
 
 @pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
+@pytest.mark.parametrize("R, q", [(3, 1), (2, 4)])
+def test_rows_past_each_request_are_never_read(R, q, N, L, RD, block, per_req):
+    """Cache rows at or past a request's length (in its last block: a step's rows past
+    its chunk lie in the same block) may hold anything, NaN included: the output is
+    bitwise the one over a clean cache. (Stock's reference reads whole blocks, so it is
+    not the comparison here.)"""
+    args, scale = _case(R, q, N, L, RD, block, per_req, torch.bfloat16, seed=3)
+    table, seq = args[-2].cpu(), args[-1].cpu()
+    poisoned = args[4].clone()
+    for r in range(R):
+        past = torch.arange(int(seq[r]), per_req * block)
+        poisoned[table[r].long()[past // block], past % block] = float("nan")
+    clean = torch.ops.kimi_kernels.mla_decode(*[a.clone() for a in args], scale)
+    got = torch.ops.kimi_kernels.mla_decode(*[a.clone() for a in args[:4]], poisoned, *args[5:], scale)
+    assert torch.equal(got, clean)
+
+
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
 def test_wide_table_splits_each_request(N, L, RD, block, per_req):
     """A table sized for a far longer max_model_len than the contexts (as vLLM's is):
     each request's positions are split by its own length, down to one BS step each."""
