@@ -74,14 +74,19 @@ def _inductor_pdl() -> dict:
 
 
 class KimiSpecialized:
-    """A backend object; ``reports`` holds one ``MatchReport`` per compiled graph."""
+    """A backend object; ``reports`` holds one ``MatchReport`` per compiled graph.
+    ``torch.compile(m, backend="kimi_specialized")`` gets one of its own (so that
+    ``match_report`` reads that model's reports); without options it takes vLLM's
+    ``additional_config`` at its first compile, if a vLLM config is current."""
 
     _shared: dict[str, "KimiSpecialized"] = {}
 
-    def __init__(self, options: Options | Mapping[str, Any] | None = None, observer: Observer | None = None):
+    def __init__(self, options: Options | Mapping[str, Any] | None = None, observer: Observer | None = None,
+                 options_from_vllm: bool = False):
         self.options = Options.from_mapping(options)
         self.observer = observer  # called with ("before/after <pass>", graph) for every pass
         self.reports: list[MatchReport] = []
+        self._options_from_vllm = options_from_vllm
 
     @classmethod
     def for_options(cls, options: Options | Mapping[str, Any] | None) -> "KimiSpecialized":
@@ -90,6 +95,8 @@ class KimiSpecialized:
         return cls._shared.setdefault(opts.to_json(), cls(opts))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> CompiledGraph:
+        if self._options_from_vllm:
+            self.options, self._options_from_vllm = _vllm_options() or self.options, False
         graph = CompiledGraph.of(None, gm, example_inputs, self.options.to_json())
         compiled, report = self._compile(gm, example_inputs)
         if report.per_size:  # a symbolic batch: compiled again at each capture size (by_size.py)
@@ -181,10 +188,14 @@ def _eager_inner(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Cal
     return make_boxed_func(gm.forward)
 
 
-def kimi_specialized(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
-                     mode: str | None = None) -> Callable:
-    """The ``torch_dynamo_backends`` entry point. Inside vLLM (compilation modes 1 and
-    2 pass no options) the options come from ``additional_config["kimi_inductor"]``."""
+def kimi_specialized(gm: fx.GraphModule, example_inputs: list,
+                     options: Mapping[str, Any] | KimiSpecialized | None = None, mode: str | None = None) -> Callable:
+    """The ``torch_dynamo_backends`` entry point. ``torch.compile`` hands each call's own
+    backend object as ``options`` (``_validate_options_at_torch_compile``). Inside vLLM
+    (compilation modes 1 and 2 pass no options) the options come from
+    ``additional_config["kimi_inductor"]``."""
+    if isinstance(options, KimiSpecialized):
+        return options(gm, example_inputs)
     if options is None:
         options = _vllm_options()
     return KimiSpecialized.for_options(options)(gm, example_inputs)
@@ -192,12 +203,15 @@ def kimi_specialized(gm: fx.GraphModule, example_inputs: list, options: Mapping[
 
 def _validate_options_at_torch_compile() -> None:
     """Make ``torch.compile(m, backend="kimi_specialized", options=...)`` itself refuse bad
-    options. torch.compile keeps a named backend's options in a ``_TorchCompileWrapper``
+    options (and a ``mode``, which only Inductor's own backend reads), and give each such
+    call a backend object of its own: the wrapper's options become that object, so two
+    compiled models with equal options no longer share (and overwrite) one object's
+    reports. torch.compile keeps a named backend's options in a ``_TorchCompileWrapper``
     and passes it to ``torch._dynamo.optimize``, which resolves it with
     ``eval_frame.get_compiler_fn``; this module is imported while the wrapper looks the
     name up, i.e. before that call, so wrapping it covers the first torch.compile too.
     Without the hook (a torch without that function) options are checked at the first
-    call, as before."""
+    call and objects are shared per options, as before."""
     from torch._dynamo import eval_frame
 
     original = getattr(eval_frame, "get_compiler_fn", None)
@@ -209,7 +223,13 @@ def _validate_options_at_torch_compile() -> None:
         if getattr(compiler_fn, "compiler_fn", None) is kimi_specialized or \
                 getattr(compiler_fn, "compiler_name", None) == "kimi_specialized":
             kwargs = getattr(compiler_fn, "kwargs", None)
-            Options.from_mapping(kwargs.get("options") if isinstance(kwargs, dict) else None)
+            if isinstance(kwargs, dict) and not isinstance(kwargs.get("options"), KimiSpecialized):
+                if "mode" in kwargs:
+                    raise ValueError(f"kimi_specialized takes no torch.compile mode (got {kwargs['mode']!r}): the "
+                                     "mode selects Inductor's own settings; drop it (decode runs in vLLM's or your "
+                                     "CUDA graphs) or pass options={'compiler': 'inductor' | 'eager'}")
+                given = kwargs.get("options")
+                kwargs["options"] = KimiSpecialized(given, options_from_vllm=given is None)
         return original(compiler_fn)
 
     get_compiler_fn._kimi_validates_options = True
@@ -232,10 +252,13 @@ def match_report(compiled: torch.nn.Module | Callable) -> MatchReport:
     name or as a ``KimiSpecialized`` object); ``ValueError`` for anything else."""
     obj, options = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None), None
     for _ in range(16):  # Dynamo's wrappers: CatchErrors -> ConvertFrame -> debug -> compile wrapper
+        if obj is kimi_specialized:  # the named backend: this torch.compile call's object
+            obj = options if isinstance(options, KimiSpecialized) else KimiSpecialized.for_options(options)
         if isinstance(obj, KimiSpecialized):
+            if obj.report is None:
+                raise ValueError("match_report: nothing compiled yet; torch.compile compiles at the first call, so "
+                                 "call the compiled model once, then ask for its report")
             return obj.report
-        if obj is kimi_specialized:
-            return KimiSpecialized.for_options(options).report
         if isinstance(getattr(obj, "kwargs", None), dict):
             options = obj.kwargs.get("options", options)
         obj = next((getattr(obj, a) for a in ("_torchdynamo_orig_backend", "compiler_fn", "_inner_convert")

@@ -43,6 +43,28 @@ def test_match_report_of_something_not_compiled_by_us_says_what_to_pass():
             match_report(other)
 
 
+def test_match_report_is_the_compiled_models_own():
+    """Two models compiled with equal options keep their own reports (the named
+    backend gives each torch.compile call its own object); before the first call there
+    is no report, and match_report says to call the model first."""
+    opts = {"compiler": "eager"}
+    a = torch.compile(torch.nn.Linear(4, 4), backend="kimi_specialized", options=opts)
+    with pytest.raises(ValueError, match="nothing compiled yet"):
+        match_report(a)
+    a(torch.randn(2, 4))
+    first = match_report(a)
+    b = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), backend="kimi_specialized",
+                      options=opts)
+    b(torch.randn(2, 4))
+    assert match_report(a) is first and match_report(b) is not first
+    assert first.graph == match_report(b).graph == 0
+
+
+def test_a_torch_compile_mode_is_refused():
+    with pytest.raises(ValueError, match="takes no torch.compile mode .got 'max-autotune'"):
+        torch.compile(torch.nn.Linear(4, 4), backend="kimi_specialized", mode="max-autotune")
+
+
 def test_register_is_idempotent():
     kimi_inductor.register()
     kimi_inductor.register()
