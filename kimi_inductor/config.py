@@ -136,6 +136,7 @@ def _pass_rank(name: str) -> int:
 # vLLM 0.33.0 itself reads ``additional_config["decode_backend"]`` (its SM100-only
 # specialized decode), so our switch must never be that top-level key.
 VLLM_KEY = "kimi_inductor"
+VLLM_KEYS = ("decode_backend", "mla_core", "passes", "strict", "compiler", "sharded_moe_rows")
 SUPPORTED_TP = (1, 2, 4, 8, 16)
 MAX_SPECULATIVE_TOKENS = 7  # verify kernels take at most 8 tokens per request
 
@@ -152,10 +153,19 @@ class DecodeConfig:
 
 
 def vllm_settings(vllm_config) -> dict[str, Any]:
+    """``additional_config["kimi_inductor"]``, its keys checked (a misspelt key would
+    otherwise be dropped silently)."""
     extra = getattr(vllm_config, "additional_config", None)
     settings = extra.get(VLLM_KEY, {}) if isinstance(extra, dict) else {}
     if not isinstance(settings, dict):
         raise ValueError(f"additional_config[{VLLM_KEY!r}] must be a dict, got {type(settings).__name__}")
+    bad = sorted(set(settings) - set(VLLM_KEYS))
+    if bad:
+        raise ValueError(f"unknown additional_config[{VLLM_KEY!r}] keys {bad}; expected some of {list(VLLM_KEYS)}")
+    mla_core = settings.get("mla_core", "auto")
+    if mla_core not in ("auto", "tokenspeed", "trtllm"):
+        raise ValueError(f"Kimi K3 MLA core {mla_core!r} (additional_config[{VLLM_KEY!r}]['mla_core']): expected "
+                         "auto, tokenspeed or trtllm")
     return settings
 
 
@@ -177,17 +187,14 @@ def specialized_decode_config(vllm_config, capability: tuple[int, int] | None = 
     if backend == "auto":
         return None
     if backend != "latency_specialized":
-        raise ValueError("Supported decode_backend values are auto/latency_specialized")
+        raise ValueError("Supported decode_backend values are auto/latency_specialized")  # the seed's words
     reason = unsupported(vllm_config, capability)
     if reason is not None:
         raise ValueError(f"kimi_specialized decode does not support {reason}")
     spec = vllm_config.speculative_config
-    mla_core = settings.get("mla_core", "auto")
-    if mla_core not in ("auto", "tokenspeed", "trtllm"):
-        raise ValueError(f"Kimi K3 MLA core {mla_core!r}: expected auto, tokenspeed or trtllm")
     return DecodeConfig(
         max_context=vllm_config.model_config.max_model_len,
-        mla_core=mla_core,
+        mla_core=settings.get("mla_core", "auto"),
         dcp=vllm_config.parallel_config.decode_context_parallel_size,
         q=1 + spec.num_speculative_tokens if spec is not None else 1,
         capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
@@ -268,10 +275,15 @@ def kda_dtypes(vllm_config):
 
 def options_from_vllm(vllm_config) -> Options:
     """Backend options for a vLLM deployment: ``additional_config["kimi_inductor"]``
-    (passes, strict, compiler) plus the decode settings vLLM's config implies."""
-    settings = {k: v for k, v in vllm_settings(vllm_config).items() if k in ("passes", "strict", "compiler")}
-    decode = specialized_decode_config(vllm_config)
-    if decode is not None:
-        settings["decode"] = {"tp": vllm_config.parallel_config.tensor_parallel_size, "q": decode.q,
-                              "dcp": decode.dcp, "capture_sizes": list(decode.capture_sizes)}
+    (passes, strict, compiler, sharded_moe_rows) plus the decode settings vLLM's config
+    implies."""
+    given = vllm_settings(vllm_config)
+    settings = {k: v for k, v in given.items() if k in ("passes", "strict", "compiler")}
+    decode = {"sharded_moe_rows": given["sharded_moe_rows"]} if "sharded_moe_rows" in given else {}
+    implied = specialized_decode_config(vllm_config)
+    if implied is not None:
+        decode.update(tp=vllm_config.parallel_config.tensor_parallel_size, q=implied.q, dcp=implied.dcp,
+                      capture_sizes=list(implied.capture_sizes))
+    if decode:
+        settings["decode"] = decode
     return Options.from_mapping(settings)

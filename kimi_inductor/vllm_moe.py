@@ -63,6 +63,8 @@ from .kernels import expert_ffn
 from .kernels import mega_moe as ep
 
 NAMESPACE = "kimi_vllm"
+NO_SHARDED_MOE = ("set sharded_moe_rows to 0 (additional_config['kimi_inductor']['sharded_moe_rows'] under vLLM, "
+                  "options={'decode': {'sharded_moe_rows': 0}} with torch.compile)")
 
 
 def _layer(layer_name):
@@ -276,8 +278,8 @@ def _shared_partial(runner, x: Tensor, G: int, r: int) -> Tensor:
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
     if not all(isinstance(p.quant_method, UnquantizedLinearMethod) for p in (gate_up, down)):
         raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe splits unquantized shared experts; "
-                         f"these are {type(gate_up.quant_method).__name__}. Fix: set the decode option "
-                         "sharded_moe_rows to 0 (or leave 'sharded_moe' out of the passes)")
+                         f"these are {type(gate_up.quant_method).__name__}. Fix: {NO_SHARDED_MOE} (or leave 'sharded_moe' "
+                         "out of the passes)")
     w_gu, w_down = gate_up.weight, down.weight
     width = w_gu.shape[0] // 2
     if getattr(mlp, "shard_sequence_parallel", False):
@@ -285,7 +287,7 @@ def _shared_partial(runner, x: Tensor, G: int, r: int) -> Tensor:
     else:
         if width % G:
             raise ValueError(f"layer {runner.layer_name}: the shared experts' width {width} does not split over "
-                             f"{G} ranks. Fix: set the decode option sharded_moe_rows to 0")
+                             f"{G} ranks. Fix: {NO_SHARDED_MOE}")
         d = width // G
         gate, up, w_down = w_gu[r * d:(r + 1) * d], w_gu[width + r * d:width + (r + 1) * d], w_down[:, r * d:(r + 1) * d]
     h = mlp.act_fn(torch.cat((x @ gate.t(), x @ up.t()), dim=1))
@@ -305,8 +307,7 @@ def sharded_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
     runner = _layer(layer_name)
     G, r, why = tp_shard()
     if why:
-        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe cannot run: {why}. Fix: set the decode option "
-                         "sharded_moe_rows to 0")
+        raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe cannot run: {why}. Fix: {NO_SHARDED_MOE}")
     shared = _shared_partial(runner, shared_in, G, r)
     weights, ids = _routing(runner, latent, router_logits, _padding(latent.shape[0], False))
     w13, w2, w13_scale, w2_scale, first = _experts(runner, latent.dtype)

@@ -137,10 +137,22 @@ def test_backend_takes_its_options_from_additional_config(model_dir):
 
     from kimi_inductor.vllm_glue import current_vllm_options
 
-    config = deployment(model_dir, kimi={"passes": ["hybrid_attention"], "strict": True}, tp=2)
+    config = deployment(model_dir, kimi={"passes": ["hybrid_attention"], "strict": True, "sharded_moe_rows": 0}, tp=2)
     with set_current_vllm_config(config):
         options = current_vllm_options()
-    assert options.passes == ("hybrid_attention",) and options.strict
+    assert options.passes == ("hybrid_attention",) and options.strict and options.decode.sharded_moe_rows == 0
+
+
+@pytest.mark.parametrize("kimi, why", [
+    ({"decode_backnd": "latency_specialized"}, r"unknown additional_config\['kimi_inductor'\] keys \['decode_backnd'\]"),
+    ({"decode": {"sharded_moe_rows": 0}}, r"keys \['decode'\]; expected some of .*'sharded_moe_rows'"),
+    ({"mla_core": "bogus"}, "MLA core 'bogus'"),  # checked under auto too
+])
+def test_a_misspelt_setting_is_refused_not_dropped(model_dir, kimi, why):
+    from kimi_inductor.config import options_from_vllm
+
+    with pytest.raises(ValueError, match=why):
+        options_from_vllm(deployment(model_dir, kimi=kimi))
 
 
 def test_mode_3_post_grad_pass_object_and_qualname(model_dir):
