@@ -38,7 +38,7 @@ def _int(value: Any, key: str) -> int:
 class DecodeSettings:
     tp: int | None = None  # TP group size G the graph must have (None: any)
     q: int | None = None  # tokens per request, 1 + speculative tokens (None: any)
-    dcp: int = 1  # decode context parallel size (1 or G)
+    dcp: int | None = None  # decode context parallel size the graph's MLA layers must have, 1 or G (None: any)
     capture_sizes: tuple[int, ...] = ()  # batch rows T to rewrite (empty: every T)
     sharded_moe_rows: int = 64  # sharded_moe rewrites MoE layers of steps with at most this many rows
 
@@ -47,7 +47,7 @@ class DecodeSettings:
             raise ValueError(f"decode.tp must be one of 1, 2, 4, 8, 16, got {self.tp}")
         if self.q is not None and not 1 <= _int(self.q, "decode.q") <= 8:
             raise ValueError(f"decode.q (1 + speculative tokens) must be in 1..8, got {self.q}")
-        if _int(self.dcp, "decode.dcp") != 1 and self.dcp != self.tp:
+        if self.dcp is not None and _int(self.dcp, "decode.dcp") != 1 and self.dcp != self.tp:
             raise ValueError(f"decode.dcp must be 1 or equal to decode.tp, got dcp={self.dcp} tp={self.tp}")
         object.__setattr__(self, "capture_sizes", _sequence(self.capture_sizes, "decode.capture_sizes", "[8, 16]"))
         for size in self.capture_sizes:

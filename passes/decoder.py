@@ -151,6 +151,13 @@ class DecoderGraph:
         return next((c.q for c in cores if c.q is not None), None)
 
     @property
+    def dcp(self) -> int | None:
+        """Decode context parallel size of its MLA / DSA layers (None without one, or
+        where the spelling does not show it)."""
+        cores = [l.core for l in self.layers] + [c for c in self.fragment if isinstance(c, Core)]
+        return next((c.dcp for c in cores if c.kind != "kda" and c.dcp is not None), None)
+
+    @property
     def group_size(self) -> int | None:
         for l in self.layers:
             for c in (l.gather, l.scatter, l.reduce):

@@ -90,6 +90,8 @@ def refusal(dg: DecoderGraph, options: Options) -> str:
         return f"a layer fragment has no TP group, options say decode.tp={decode.tp}"
     if decode.tp is not None and size != decode.tp:
         return f"graph has TP size {size}, options say decode.tp={decode.tp}"
+    if decode.dcp is not None and dg.dcp is not None and dg.dcp != decode.dcp:
+        return f"graph's MLA layers run decode context parallel {dg.dcp}, options say decode.dcp={decode.dcp}"
     if decode.q is not None and dg.q is not None and dg.q != decode.q:
         return f"graph verifies q={dg.q} tokens per request, options say decode.q={decode.q}"
     if _per_size(dg, options):  # a SymInt would compare by its hint (the backend reads report.per_size)
@@ -162,7 +164,7 @@ class KimiPasses(CustomGraphPass):
 
 
 def _dcp_note(layer) -> dict[str, str]:
-    if layer.dcp == 1:
+    if layer.dcp in (1, None):
         return {}
     return {"dcp": f"DCP {layer.dcp}: latent cache interleaved over the ranks (position p on rank p % "
                    f"{layer.dcp}), query-head all-gather, LSE combine + reduce-scatter over heads"}

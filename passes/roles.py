@@ -110,7 +110,7 @@ class Core:
     kind: str  # kda | mla | dsa
     spelling: str
     q: int | None = None  # tokens per request, where the call shows it
-    dcp: int = 1
+    dcp: int | None = 1  # decode context parallel size; None where the spelling does not show it
 
 
 @dataclass

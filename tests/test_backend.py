@@ -202,6 +202,7 @@ def test_strict_mode_raises_on_a_layer_it_cannot_rewrite(fake_world):
     ({"capture_sizes": [8]}, "batch rows 16 not in decode.capture_sizes [8]"),
     ({"q": 2}, "graph verifies q=4 tokens per request, options say decode.q=2"),
     ({"tp": 4}, "graph has TP size 2, options say decode.tp=4"),
+    ({"tp": 2, "dcp": 2}, "graph's MLA layers run decode context parallel 1, options say decode.dcp=2"),
 ])
 def test_decode_settings_gate_every_pass(fake_world, decode, reason):
     seen, observe = _graphs_by_stage()

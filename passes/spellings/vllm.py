@@ -111,7 +111,7 @@ def _core(node: fx.Node) -> Core | None:
     if triton is not None:
         return Core(node, "kda", NAME) if triton.name in KDA_KERNELS else None
     kind = CORE_OPS.get(_op_name(node))
-    return None if kind is None else Core(node, kind, NAME)
+    return None if kind is None else Core(node, kind, NAME, dcp=None if kind != "kda" else 1)  # DCP not in the op
 
 
 def _experts(node: fx.Node) -> Experts | None:
