@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         if (args.preset, args.layout, args.q) != ("tiny", "sp", 1):
             args.subparser.error("--vllm explains vLLM's own tiny K3 in its SP layout at q = 1: "
                                  "--preset, --layout and --q do not apply")
+    json_path = getattr(args, "json_path", None)
+    if json_path and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
+        args.subparser.error(f"argument --json: the folder of {json_path} does not exist (create it first)")
+    if args.command == "bench" and args.smoke and args.step:
+        args.subparser.error("argument --step: not with --smoke (the smoke run is the KDA layer benchmark on the CPU)")
     if args.command == "bench" and args.only:
         from .bench import check_only
 

@@ -54,10 +54,10 @@ def bench(out_dir: str, only: list[str] | None = None, smoke: bool = False) -> d
     root = Path(__file__).resolve().parent.parent / "benchmarks"
     if not root.is_dir():
         raise ValueError(f"no benchmarks/ folder beside the package ({root}): run from a checkout")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     suite = {"kda_layer_smoke": ("kda_layer.py", ["--smoke", "--rows", "1", "--q", "1"])} if smoke else SUITE
     check_only(only, suite)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     names = [n for n in suite if only is None or n in only]
     if not smoke:
         import torch
