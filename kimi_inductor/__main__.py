@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except ValueError as e:  # an unsupported deployment (e.g. a TP size the preset's widths do not split)
-        args.subparser.error(str(e))
+        # pydantic's (vLLM's config) lists its errors over several lines with their inputs: the messages only
+        errors = e.errors() if callable(getattr(e, "errors", None)) else None
+        args.subparser.error("; ".join(err["msg"] for err in errors) if errors else str(e))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -232,3 +232,17 @@ def test_a_tp_size_the_preset_does_not_split_is_an_error_not_a_traceback(command
     err = capsys.readouterr().err
     assert f"{command}: error: vocab size 512 is not divisible by the TP size 3" in err
     assert "Traceback" not in err
+
+
+def test_vllms_own_config_refusal_is_one_line(capsys):
+    """``explain --vllm`` at a TP size vLLM's config refuses: pydantic's several-line
+    error (with its inputs) becomes the CLI's one error line."""
+    pytest.importorskip("vllm")
+    from kimi_inductor.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--vllm", "--ranks", "3"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("must be divisible by tensor parallel size (3).") and "input_value" not in err[-1]
+
