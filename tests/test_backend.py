@@ -47,6 +47,7 @@ def test_match_report_is_the_compiled_models_own():
     """Two models compiled with equal options keep their own reports (the named
     backend gives each torch.compile call its own object); before the first call there
     is no report, and match_report says to call the model first."""
+    kimi_inductor.register()  # as the entry point does where the package is installed
     opts = {"compiler": "eager"}
     a = torch.compile(torch.nn.Linear(4, 4), backend="kimi_specialized", options=opts)
     with pytest.raises(ValueError, match="nothing compiled yet"):
@@ -61,6 +62,7 @@ def test_match_report_is_the_compiled_models_own():
 
 
 def test_a_torch_compile_mode_is_refused():
+    kimi_inductor.register()
     with pytest.raises(ValueError, match="takes no torch.compile mode .got 'max-autotune'"):
         torch.compile(torch.nn.Linear(4, 4), backend="kimi_specialized", mode="max-autotune")
 
