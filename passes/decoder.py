@@ -145,17 +145,20 @@ class DecoderGraph:
         return None if val is None else val.shape[0]
 
     @property
+    def cores(self) -> list[Core]:
+        """Every attention core: its layers' and a fragment's."""
+        return [l.core for l in self.layers] + [c for c in self.fragment if isinstance(c, Core)]
+
+    @property
     def q(self) -> int | None:
         """Tokens per request where a core shows it (KDA state slots [R, q])."""
-        cores = [l.core for l in self.layers] + [c for c in self.fragment if isinstance(c, Core)]
-        return next((c.q for c in cores if c.q is not None), None)
+        return next((c.q for c in self.cores if c.q is not None), None)
 
     @property
     def dcp(self) -> int | None:
         """Decode context parallel size of its MLA / DSA layers (None without one, or
         where the spelling does not show it)."""
-        cores = [l.core for l in self.layers] + [c for c in self.fragment if isinstance(c, Core)]
-        return next((c.dcp for c in cores if c.kind != "kda" and c.dcp is not None), None)
+        return next((c.dcp for c in self.cores if c.kind != "kda" and c.dcp is not None), None)
 
     @property
     def group_size(self) -> int | None:
