@@ -313,3 +313,49 @@ def test_cute_gemv_fusions_compile_for_sm90a(M, N, K, fusion):
         assert not cute_gemv.supported(M, N, K, cfg, fusion)
         assert cute_gemv.compile_gemv(M, N, K, fusion.eps is not None, torch.bfloat16, cfg, arch="sm_90a",
                                       fusion=fusion).has_gpu_module
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("N, K, with_acc", [(7168, 1536, False), (1024, 2048, True)])
+def test_cute_gemv_gated_norm_matches_stock(M, N, K, with_acc):
+    """KDA's gated norm as the GEMV's prologue (the gate a column slice of a wider tensor,
+    as the in-projection's g2 is): within one bf16
+    ulp of the normalised row (2^-6 of the output) of stock's norm then GEMM, at the TP8
+    o_proj shape and a K split; 3 calls bitwise equal."""
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+    from kimi_inductor.stock.kda import gated_rms_norm
+
+    (x, w, acc), _ = operands(M, N, K, torch.bfloat16, with_acc)
+    g = torch.Generator().manual_seed(M)
+    gate = torch.randn(M, K + 64, generator=g).to(torch.bfloat16).to(DEVICE)[:, 32:32 + K]
+    nw = (1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16).to(DEVICE)
+    y = gated_rms_norm(x.view(M, -1, 128), gate.reshape(M, -1, 128), nw, 1e-5).reshape(M, K).to(torch.bfloat16)
+    want = (y.float() @ w.float().t() + (acc.float() if with_acc else 0)).cpu()
+    fusion = cute_gemv.Fusion(eps=1e-5, group=128)
+    base = cute_gemv.fused_config(M, N, K, fusion)
+    for cfg in {base, base._replace(split=2)}:
+        if cute_gemv.supported(M, N, K, cfg, fusion):
+            continue
+        outs = [cute_gemv.run(x, w, acc, torch.bfloat16, cfg, fusion, nw, gate) for _ in range(3)]
+        got = outs[0].cpu().float()
+        assert ((got - want).abs() <= 2.0**-6 * want.abs().clamp_min(1.0) + 2e-3).all(), (cfg, (got - want).abs().max())
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    op = torch.ops.kimi_kernels.gated_norm_mm(x, gate, nw, 1e-5, w, acc, torch.bfloat16)
+    assert ((op.cpu().float() - want).abs() <= 2.0**-6 * want.abs().clamp_min(1.0) + 2e-3).all()
+
+
+@needs_cute
+@pytest.mark.parametrize("M, split", [(1, 1), (2, 2)])
+def test_cute_gemv_gated_norm_compiles_for_sm90a(M, split):
+    """With PDL and the preload as o_proj launches, x and the gate read in place."""
+    from kimi_inductor.kernels.skinny_gemm import cute_gemv
+
+    fusion = cute_gemv.Fusion(eps=1e-5, group=128)
+    cfg = cute_gemv.fused_config(M, 7168, 1536, fusion)._replace(split=split)
+    assert not cute_gemv.supported(M, 7168, 1536, cfg, fusion)
+    assert cute_gemv.supported(M, 7168, 1536, cfg, fusion._replace(group=96))
+    assert cute_gemv.compile_gemv(M, 7168, 1536, False, torch.bfloat16, cfg, arch="sm_90a", fusion=fusion, pdl=True,
+                                  preload=6, gate_stride=6288).has_gpu_module
