@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kimi_inductor.stock.attn_res import rms_norm
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.state import tokens_per_request
 
@@ -191,13 +192,14 @@ if triton is not None:
                 tl.store(lse_ptr + row, tl.where(den > 0, top + tl.log(tl.where(den > 0, den, 1.0)), float("-inf")))
 
     @triton.jit
-    def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, block_local, dcp_rank, dcp_size,
-                       A: tl.constexpr, B: tl.constexpr, AP: tl.constexpr, BP: tl.constexpr, ROW: tl.constexpr,
-                       PDL: tl.constexpr):
+    def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, norm_ptr, eps, block_local, dcp_rank,
+                       dcp_size, A: tl.constexpr, B: tl.constexpr, AP: tl.constexpr, BP: tl.constexpr,
+                       ROW: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         """Program t: token t's row [a | b] (A + B values) stored at its slot of the paged
         cache [blocks, block_local, ROW]; under DCP (``dcp_size`` > 1) global slot ->
         this rank's slot (``stock.dcp.local_slots``), other ranks' positions skipped, as are
-        slots < 0."""
+        slots < 0. With NORM, a is stored as stock's ``rms_norm(a, w, eps)`` (w at
+        ``norm_ptr``; rounded where stock rounds when ROUND)."""
         pdl_wait(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -207,6 +209,10 @@ if triton is not None:
             row = cache_ptr + ((slot // virtual) * block_local + offset // dcp_size) * ROW
             da = tl.arange(0, AP)
             x = tl.load(a_ptr + t * stride_a + da, mask=da < A)
+            if NORM:
+                xf = x.to(tl.float32)
+                xf = bf16_round(xf * tl.rsqrt(tl.sum(xf * xf, 0) / A + eps), ROUND)
+                x = bf16_round(xf * tl.load(norm_ptr + da, mask=da < A).to(tl.float32), ROUND)
             tl.store(row + da, x.to(cache_ptr.dtype.element_ty), mask=da < A)
             if B > 0:
                 db = tl.arange(0, BP)
@@ -215,18 +221,21 @@ if triton is not None:
 
 
 def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = None, dcp_rank: int = 0,
-           dcp_size: int = 1) -> None:
+           dcp_size: int = 1, norm: tuple[Tensor, float] | None = None) -> None:
     """``write_cache(cache, slots, cat([a, b], -1))`` in one launch: a [T, A] (and b [T, B];
-    trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP."""
+    trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP.
+    ``norm`` (weight [A], eps): a is written as stock's ``rms_norm(a, weight, eps)``."""
     a, b = ((t.reshape(t.shape[0], -1) if t.stride(-1) == 1 else t.reshape(t.shape[0], -1).contiguous())
             if t is not None else None for t in (a, b))
     T, A = a.shape
     B = 0 if b is None else b.shape[1]
     assert cache.is_contiguous() and cache.shape[-1] == A + B
     b = a if b is None else b
-    _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, cache.shape[1], dcp_rank, dcp_size,
-                         A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),
-                         ROW=cache.shape[-1], num_warps=1, **pdl(a.device))
+    weight, eps = norm if norm is not None else (a, 0.0)
+    _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, weight, eps, cache.shape[1], dcp_rank,
+                         dcp_size, A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),
+                         ROW=cache.shape[-1], NORM=norm is not None, ROUND=weight.dtype == torch.bfloat16,
+                         num_warps=1, **pdl(a.device))
 
 
 def tiles(bm: int) -> tuple[int, int]:
@@ -253,18 +262,24 @@ def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 
     return max(1, min(2 * SMS // (requests * groups), triton.cdiv(capacity, steps * bs), most))
 
 
-def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale):
+def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale, kv_norm_weight=None,
+          kv_norm_eps=0.0):
     tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode")
     return ql_nope.new_empty(ql_nope.shape)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::mla_decode", mutates_args=("kv_cache",))
 def mla_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-               block_table: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+               block_table: Tensor, seq_lens: Tensor, scale: float, kv_norm_weight: Optional[Tensor] = None,
+               kv_norm_eps: float = 0.0) -> Tensor:
+    """With ``kv_norm_weight``: kv_c before its RMSNorm (the layer's kv_a norm), which the
+    cache write applies (``insert``): one kernel fewer."""
     tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode")
+    norm = None if kv_norm_weight is None else (kv_norm_weight.contiguous(), kv_norm_eps)
     if not _use_triton(ql_nope, q_pe):
+        kv_c = kv_c if norm is None else rms_norm(kv_c, *norm)
         return reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
-    insert(kv_cache, slot_mapping, kv_c, k_pe)
+    insert(kv_cache, slot_mapping, kv_c, k_pe, norm=norm)
     return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
 
 

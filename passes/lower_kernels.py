@@ -11,6 +11,7 @@ Matches and produces (M = rows, at most 64):
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
+      with kv_c = rms_norm(x, w, eps) read by it    kimi_kernels.mla_decode(..., x, ..., kv_norm_weight=w, eps)
     vLLM's MLA insert + decode pair (CPU backend)   kimi_kernels.mla_decode(ql_nope, q_pe, ...)
       (passes/vllm_mla.py)
     kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
@@ -166,8 +167,10 @@ class LowerKernels:
                 kept[f"{label}: {why}"] += 1
                 continue
             core = roles.core(call.node)
-            per_node[_replace(dg, call, _swap(g, call, ours_op, dict(call.node.kwargs)))] = \
-                core.kind if core is not None else "attn_res"
+            kwargs = dict(call.node.kwargs)
+            if ours_op is kk.mla_decode.default and (norm := rms_norm_of(kwargs["kv_c"])) is not None:
+                kwargs.update(kv_c=norm[0], kv_norm_weight=norm[1], kv_norm_eps=norm[2])  # the cache write norms
+            per_node[_replace(dg, call, _swap(g, call, ours_op, kwargs))] = core.kind if core is not None else "attn_res"
             info.rewritten += 1
         _dead_code_out(g, dropped)  # dead casts would count as readers of a norm or a GEMM
         for topk in [n for n in g.nodes if n.target is aten.topk.default]:  # the MoE router's choice

@@ -278,3 +278,15 @@ def test_kda_gated_norm_moves_into_o_proj_at_k3_shapes(rows):
     else:
         assert not fused and len(kda.args) == 15
         assert any("KDA's gated norm next to GEMM 7168x1536, not fused: tl_dot" in s for s in info.skipped)
+
+
+def test_mla_kv_norm_moves_into_the_cache_write(fake_world):
+    """Each MLA layer's kv_a RMSNorm, read only by its core, becomes the core's cache write
+    (``mla_decode(..., kv_norm_weight=...)``): no norm kernel of its own."""
+    graphs = {}
+    compile_tiny("tiny", group=fake_world(2), q=1, requests=2, padding=1,
+                 observer=lambda stage, gm: graphs.setdefault(stage, gm.graph))
+    calls = [n for n in graphs["after lower_kernels"].nodes if n.target is torch.ops.kimi_kernels.mla_decode.default]
+    # as Inductor re-inplaces it: the op called with its schema's positions (kv_norm_weight, kv_norm_eps last)
+    assert len(calls) == 3 and all(n.args[9].op == "placeholder" and n.args[10] == 1e-5 for n in calls)
+    assert not any(n.args[2].target is torch.ops.aten.mul.Tensor for n in calls)  # kv_c: not the norm's output

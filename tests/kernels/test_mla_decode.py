@@ -163,3 +163,23 @@ def test_insert_takes_views_as_vllm_hands_them():
     write_cache(want, slots, torch.cat([kv_c, k_pe[:, 0]], dim=-1))
     M.insert(cache, slots, kv_c, k_pe)
     assert torch.equal(cache, want)
+
+
+@pytest.mark.skipif(DEVICE != "cuda" and not M.INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES[:1])
+def test_kv_norm_in_the_cache_write(N, L, RD, block, per_req):
+    """``mla_decode(..., kv_norm_weight=w)``: kv_c before the layer's kv_a RMSNorm, applied
+    by the cache write: the rows stock's ``rms_norm`` then write give, within one bf16
+    rounding (the mean of squares sums in another order), and the attention over them."""
+    from kimi_inductor.stock.attn_res import rms_norm
+
+    args, scale = _case(3, 2, N, L, RD, block, per_req, torch.bfloat16, seed=5)
+    w = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(1))).bfloat16().to(DEVICE)
+    want_args = [a.clone() for a in args]
+    want_args[2] = rms_norm(want_args[2], w, 1e-6)
+    want = M.reference(*want_args, scale)
+    mine = [a.clone() for a in args]
+    got = torch.ops.kimi_kernels.mla_decode(*mine, scale, kv_norm_weight=w, kv_norm_eps=1e-6)
+    torch.testing.assert_close(mine[4].float(), want_args[4].float(), rtol=2**-7, atol=1e-6)
+    bound = 2**-6 * want.float().abs().amax(-1, keepdim=True) + 1e-6
+    assert ((got.float() - want.float()).abs() <= bound).all()
