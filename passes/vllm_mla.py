@@ -19,6 +19,9 @@ contiguous: position p of request b is row p % block_size of block
               slot_mapping, block_tables, seq_lens, scale, bases=[kv_cache])
     dec[1] (out) -> new[0];  ins[2] (the cache after) -> new[1]
 
+(where kv_c_normed is a RMSNorm of kv_c read by the insert alone: kv_c, with the
+norm's weight and eps as ``kv_norm_weight`` / ``kv_norm_eps``, applied by our cache write)
+
 The same function: both write row b's ``[kv_c_normed | k_pe]`` at ``slot_mapping[b]``
 (slots < 0, vLLM's padding, are not written), then attend row b (position
 ``seq_lens[b] - 1``) over positions [0, seq_lens[b]) of the cache: scores ``(mqa_q .
@@ -48,6 +51,7 @@ from torch import fx
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .gemm_neighbours import rms_norm_of
 from .graph import OpCall, erase_unused
 
 INSERT = "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert"
@@ -121,6 +125,9 @@ def lower(g: fx.Graph, group: MlaGroup) -> fx.Node:
                   slot_mapping=ins.arg("slot_mapping"), block_table=dec.arg("block_tables"),
                   seq_lens=dec.arg("seq_lens"), scale=dec.arg("scale"), _kv_cache_base_index=0,
                   _all_bases=[ins.arg("kv_cache")])
+    norm = rms_norm_of(kwargs["kv_c"])  # read by the insert alone: our cache write applies it
+    if norm is not None:
+        kwargs.update(kv_c=norm[0], kv_norm_weight=norm[1], kv_norm_eps=norm[2])
     with g.inserting_before(dec.node):
         new = g.call_function(auto_functionalized_v2, (torch.ops.kimi_kernels.mla_decode.default,), kwargs)
         values = [g.call_function(operator.getitem, (new, i)) for i in (0, 1)]
