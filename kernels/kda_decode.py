@@ -25,9 +25,7 @@ matching v channels. The gated RMSNorm spans all of V and the q/k conv channels 
 by every program, so each program writes its pre-norm o rows to an fp32 workspace and
 bumps the head's arrival counter (acq_rel); the last to arrive writes the q/k conv
 state and normalises every token, then resets the counter (one kernel; the arrival
-order does not change any value). With ``normalize=False`` (o_proj's GEMV applies the
-norm: ``skinny_gemm.gated_norm_mm``) the programs write their o rows to the output and
-the last to arrive only writes the q/k conv rows.
+order does not change any value).
 
 PDL: the kernel releases its dependents (o_proj's GEMV, which reads its weights before
 its own wait) only after its state and weight loads, not at its start: that overlaps
