@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kimi_inductor.stock.kda as stock_kda  # registers kimi::kda_decode
+import kimi_inductor.stock.kda  # noqa: F401  (registers kimi::kda_decode)
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.state import check_q
 
@@ -77,7 +77,7 @@ if triton is not None:
         cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+        NV: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         r = tl.program_id(0)
@@ -186,16 +186,14 @@ if triton is not None:
             keep = live & (slot_t > 0)
             slot_t = tl.maximum(slot_t, 0).to(tl.int64)
             tl.store(rec_ptr + slot_t * stride_rec_s + head + v[:, None] * D + d[None, :], S, mask=keep)
-            if not NORM:  # the norm is the next GEMM's prologue (``gated_norm_mm``)
-                tl.store(out_ptr + row * stride_out + h * D + v, tl.where(live, o, 0.0).to(out_ptr.dtype.element_ty))
-            elif NV == 1:
+            if NV == 1:
                 _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
             else:
                 tl.store(ws_ptr + (row * H + h) * D + v, o)
 
         if NV > 1:
             # the head's last program to arrive (every other one has read the conv window
-            # and written its o rows) writes the q/k conv channels [and normalises]
+            # and written its o rows) writes the q/k conv channels and normalises
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + r * H + h, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
@@ -206,9 +204,8 @@ if triton is not None:
                     row = r * Q + t
                     _store_conv_rows(conv_out, 2 + t, stride_conv_r, cq, ck, tl.load(qkv_ptr + row * stride_qkv + cq),
                                      tl.load(qkv_ptr + row * stride_qkv + ck), live)
-                    if NORM:
-                        o = tl.load(ws_ptr + (row * H + h) * D + d, cache_modifier=".cg")
-                        _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
+                    o = tl.load(ws_ptr + (row * H + h) * D + d, cache_modifier=".cg")
+                    _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
 
     @triton.jit
     def _store_conv_rows(conv_out, i, stride_conv_r, cq, ck, xq, xk, live):
@@ -227,7 +224,7 @@ if triton is not None:
 
 
 def _fake(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-          recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, normalize=True):
+          recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode")
     return g2.new_empty(g2.shape)
 
@@ -237,19 +234,15 @@ def _fake(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, nor
 def kda_decode(
     mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor, recurrent_state: Tensor,
-    state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float, normalize: bool = True,
+    state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
 ) -> Tensor:
-    """Without ``normalize``: the head outputs before the gated RMSNorm (bf16, zeros for
-    padding requests; g2, norm_weight and norm_eps unused), whose GEMM then applies it
-    (``kimi_kernels::gated_norm_mm``): the V-split programs then exchange nothing but the
-    q/k conv write."""
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode")  # the kernel pads the q tokens' gate rows to 16
     H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
     use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(
         conv_weight.shape[-1], D)
     if not use_triton:
         return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
-                         conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, normalize)
+                         conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
     R, Q = state_slots.shape
     assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
     mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
@@ -258,10 +251,10 @@ def kda_decode(
     nv = v_split(R, H)
     _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, normalize),
+        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, NORM=normalize, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
@@ -275,13 +268,12 @@ def v_split(R: int, H: int) -> int:
 
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-                recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1,
-                normalize: bool = True) -> tuple:
+                recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1) -> tuple:
     """The Triton kernel's positional arguments (strides, and with ``nv`` > 1 the V-split
-    arrival counters and, with ``normalize``, its workspace, included)."""
+    workspace and arrival counters, included)."""
     R, H = state_slots.shape[0], recurrent_state.shape[1]
     ws = torch.empty(out.shape[0], H, recurrent_state.shape[-1], dtype=torch.float32, device=out.device) \
-        if nv > 1 and normalize else out
+        if nv > 1 else out
     cnt = arrival_counters(out.device, R * H) if nv > 1 else state_slots
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
             conv_weight, A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
@@ -305,7 +297,7 @@ def page_states(page: Tensor, conv_start: int, state_len: int, conv_dim: int, dt
 
 
 def _fake_paged(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, page, conv_start,
-                state_len, rec_start, state_slots, num_accepted, lower_bound, norm_eps, normalize=True):
+                state_len, rec_start, state_slots, num_accepted, lower_bound, norm_eps):
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode_paged")
     return g2.new_empty(g2.shape)
 
@@ -315,7 +307,6 @@ def kda_decode_paged(
     mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, page: Tensor, conv_start: int, state_len: int,
     rec_start: int, state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
-    normalize: bool = True,
 ) -> Tensor:
     """``kda_decode`` with both states in ``page`` [S, bytes] int8 (``page_states``: the conv
     state at byte ``conv_start``, ``state_len`` x conv width in mixed_qkv's dtype; the
@@ -325,22 +316,16 @@ def kda_decode_paged(
     H, D = beta.shape[1], g2.shape[1] // beta.shape[1]
     conv, rec = page_states(page, conv_start, state_len, mixed_qkv.shape[1], mixed_qkv.dtype, rec_start, H, D)
     return torch.ops.kimi_kernels.kda_decode(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias,
-                                             norm_weight, conv, rec, state_slots, num_accepted, lower_bound, norm_eps,
-                                             normalize)
+                                             norm_weight, conv, rec, state_slots, num_accepted, lower_bound, norm_eps)
 
 
 kda_decode_paged.register_fake(_fake_paged)
 
 
 def reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-              recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, normalize=True):
-    """The op's semantics: stock's f_b_proj GEMM, then stock's ``kimi::kda_decode`` (without
-    ``normalize``: its steps before the gated norm, padding zeroed)."""
+              recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
+    """The op's semantics: stock's f_b_proj GEMM, then stock's ``kimi::kda_decode``."""
     g1 = F.linear(f_a, f_b_weight)
-    if not normalize:
-        o, live = stock_kda.recurrence(mixed_qkv, g1, beta, conv_weight, A_log, dt_bias, conv_state, recurrent_state,
-                                       state_slots, num_accepted, lower_bound)
-        return torch.where(live[:, None, None, None], o, 0.0).reshape(g2.shape).to(g2.dtype)
     return REFERENCES[torch.ops.kimi.kda_decode.default](mixed_qkv, g1, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                                      conv_state, recurrent_state, state_slots, num_accepted, lower_bound,
                                      norm_eps)

@@ -21,8 +21,6 @@ Matches and produces (M = rows, at most 64):
       _attn_res_kernel launch)                        where ours is faster (attn_res.versus_vllm:
                                                       none on H200, so vLLM's stays)
     <GEMM>(rms_norm(x, w_n, eps), W, acc)           kimi_kernels.rms_norm_mm(x, w_n, eps, W, acc, dt)
-    <GEMM>(kimi_kernels.kda_decode(...), W, acc)    kimi_kernels.gated_norm_mm(o, g2, w_n, eps, W, acc, dt)
-                                                      with kda_decode(..., normalize=False)
     situ_and_mul(<GEMM>(x, W), b, lb)               kimi_kernels.mm_situ(x, W, b, lb)
     stock's select_experts (sigmoid, biased top-k,  kimi_kernels.select_experts(...)
       gather, renormalise, scale)                     (passes/moe_router.py)
@@ -30,9 +28,8 @@ Matches and produces (M = rows, at most 64):
       select_experts), latent down, shared block      (passes/moe_projections.py)
       with SiTU / its down and up blocks
 
-The fusions (patterns in ``gemm_neighbours``; the KDA kernel's gated norm into o_proj)
-happen only where the CuTe GEMV runs the GEMM (``skinny_gemm.choose_fused``); elsewhere
-the GEMM is lowered alone.
+The two fusions (patterns in ``gemm_neighbours``) happen only where the CuTe GEMV runs
+the GEMM (``skinny_gemm.choose_fused``); elsewhere the GEMM is lowered alone.
 
 Each replacement computes the same function (the kernels' CPU references are the
 replaced ops; on CPU the lowered graph is bitwise the unlowered one; for vLLM's KDA
@@ -237,10 +234,6 @@ class LowerKernels:
                 g.erase_node(node)
                 per_node[new] = "norm_gemm" if norm else "gemm"
             info.rewritten += 1
-        for kda in [n for n, kind in per_node.items() if kind == "kda"]:
-            why = _defer_kda_norm(g, kda, per_node)
-            if why:
-                kept[why] += 1
         for node in [n for n in g.nodes if n.target is aten.bmm.default]:  # MLA's per-head GEMMs
             x, w = node.args
             info.matched += 1
@@ -277,35 +270,6 @@ def _fuse_kda(g: fx.Graph, call: OpCall, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
     kwargs = {k: v for k, v in call.node.kwargs.items() if k != "g1"}
     kwargs.update(f_a=f_a, f_b_weight=f_b)
     return _swap(g, call, kk.kda_decode.default, kwargs)
-
-
-def _defer_kda_norm(g: fx.Graph, kda: fx.Node, per_node: dict[fx.Node, str]) -> str:
-    """The KDA kernel's gated norm moved into o_proj's GEMV (``gated_norm_mm``) where the
-    CuTe GEMV takes o_proj and the kernel's output is its x: the V-split programs then
-    exchange no o rows. Returns why not where o_proj is a GEMM it could join ('' else)."""
-    out = next((u for u in kda.users if u.target is operator.getitem and u.args[1] == 0), None)
-    if out is None or len(out.users) != 1:
-        return ""
-    (gemm,) = out.users
-    if gemm.target is not kk.skinny_mm.default or gemm.args[0] is not out:
-        return ""
-    x, w, acc, out_dtype = gemm.args
-    kw = kda.kwargs
-    group = kw["norm_weight"].meta["val"].numel()
-    (M, K), N = x.meta["val"].shape, w.meta["val"].shape[0]
-    why = skinny_gemm.choose_fused("gated_norm", M, N, K, x.meta["val"].dtype, group)
-    if why:
-        return f"KDA's gated norm next to GEMM {N}x{K}, not fused: {why}"
-    kda.kwargs = {**kw, "normalize": False}
-    with g.inserting_before(gemm):
-        new = g.call_function(kk.gated_norm_mm.default, (out, kw["g2"], kw["norm_weight"], kw["norm_eps"], w, acc,
-                                                         out_dtype))
-    new.meta["val"] = gemm.meta["val"]
-    gemm.replace_all_uses_with(new)
-    g.erase_node(gemm)
-    per_node.pop(gemm)
-    per_node[new] = "gated_norm_gemm"
-    return ""
 
 
 def _lower_attn_res(g: fx.Graph, res: roles.AttnRes) -> fx.Node:
@@ -363,7 +327,7 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
 
 
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
-          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU", "gated_norm_gemm": "KDA's gated norm + GEMM",
+          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
           "moe_in": "router + latent down + shared gate/up SiTU (one launch)",
           "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one launch)",
           "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}

@@ -227,59 +227,6 @@ def test_byte_pages_respells_typed_views_of_byte_slices_exactly(row):
         assert info.rewritten == 4 and not sliced and scatters == [(1, 0, 4), (1, 2, 6)]
 
 
-@pytest.mark.skipif(bool(__import__("kimi_inductor.kernels", fromlist=["skinny_gemm"]).skinny_gemm.cute_available()),
-                    reason="the fusion lives in the CuTe GEMV (the cute extra)")
-@pytest.mark.parametrize("rows", [1, 8])
-def test_kda_gated_norm_moves_into_o_proj_at_k3_shapes(rows):
-    """A KDA layer at TP8 per-rank shapes (12 heads x 128, hidden 7168), padding request
-    included: at one row the KDA kernel leaves its gated norm to o_proj's CuTe GEMV
-    (``kda_decode(normalize=False)`` -> ``gated_norm_mm``); at 8 rows (the Triton GEMM)
-    it keeps it and the report says why. On CPU the lowered layer is bitwise stock's."""
-    from torch.func import functional_call
-
-    from kimi_inductor.backend import KimiSpecialized
-    from kimi_inductor.stock import DecodeStep, KimiK3Config, Parallel
-    from kimi_inductor.stock.kda import KimiDeltaAttention
-
-    base = KimiK3Config.preset("kimi-k3")
-    config = base.replace(linear_attn_config=dict(base.linear_attn_config, num_heads=12))
-    layer = KimiDeltaAttention(config, Parallel(), device="meta")
-    g = torch.Generator().manual_seed(rows)
-    params = {name: ((1 + 0.1 * torch.randn(p.shape, generator=g)) if name == "o_norm.weight" else
-                     torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() == 2 else 0.3)).to(p.dtype)
-              for name, p in layer.named_parameters()}
-    x = torch.randn(rows, config.hidden_size, generator=g).to(torch.bfloat16)
-    slots = (1 + torch.arange(rows, dtype=torch.int32)).view(rows, 1)
-    slots[-1] = 0 if rows > 1 else slots[-1]  # a padding request
-    (conv_shape, _), (rec_shape, _) = KimiDeltaAttention.cache_shapes(config, Parallel(), 1 + rows, 1, torch.bfloat16)
-    states = [(0.5 * torch.randn(conv_shape, generator=g)).to(torch.bfloat16), 0.1 * torch.randn(rec_shape, generator=g)]
-
-    def step(params, x, slots, conv, rec):
-        s = DecodeStep(input_ids=x, state_slots=slots, num_accepted=torch.ones(rows, dtype=torch.int32),
-                       slot_mapping=x, block_table=slots, seq_lens=slots, is_padding=x)
-        return functional_call(layer, params, (x, s, (conv, rec)))
-
-    want_states = [t.clone() for t in states]
-    want = step(params, x, slots, *want_states)
-    torch._dynamo.reset()
-    graphs = {}
-    backend = KimiSpecialized({"passes": ["lower_kernels"], "compiler": "eager"},
-                              observer=lambda stage, gm: graphs.setdefault(stage, gm.graph))
-    got = torch.compile(step, backend=backend, dynamic=False)(params, x, slots, *states)
-    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(states, want_states))
-    (info,) = [p for p in backend.report.passes if p.name == "lower_kernels"]
-    nodes = list(graphs["after lower_kernels"].nodes)  # as Inductor re-inplaces it, the op called directly
-    kk = torch.ops.kimi_kernels
-    (kda,) = [n for n in nodes if n.target is kk.kda_decode.default]
-    fused = [n for n in nodes if n.target is kk.gated_norm_mm.default]
-    if rows == 1:
-        assert len(fused) == 1 and fused[0].args[0] is kda and kda.args[15] is False  # normalize
-        assert fused[0].args[1] is kda.args[3] and not any("gated norm" in s for s in info.skipped)  # g2
-    else:
-        assert not fused and len(kda.args) == 15
-        assert any("KDA's gated norm next to GEMM 7168x1536, not fused: tl_dot" in s for s in info.skipped)
-
-
 def test_mla_kv_norm_moves_into_the_cache_write(fake_world):
     """Each MLA layer's kv_a RMSNorm, read only by its core, becomes the core's cache write
     (``mla_decode(..., kv_norm_weight=...)``): no norm kernel of its own."""

@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from kimi_inductor.stock.attn_res import rms_norm
-from kimi_inductor.stock.kda import gated_rms_norm
 from kimi_inductor.stock.layers import situ_and_mul
 
 from ..common import INTERPRET, triton
@@ -134,19 +133,17 @@ def choose_bmm(B: int, M: int, K: int, N: int, dtype: torch.dtype) -> str:
     return ""
 
 
-def choose_fused(kind: str, M: int, N: int, K: int, dtype: torch.dtype, group: int = 128) -> str:
-    """Why ``kind`` ('rms_norm', 'situ' or 'gated_norm', over groups of ``group``) is not
-    fused into this GEMM ('' when the CuTe GEMV takes both: at the shapes and rows where
-    that measured faster, ``cute_gemv.TUNED_FUSED``); N: the weight's rows."""
+def choose_fused(kind: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
+    """Why ``kind`` ('rms_norm' or 'situ') is not fused into this GEMM ('' when the CuTe
+    GEMV takes both: at the shapes and rows where that measured faster on H200,
+    ``cute_gemv.TUNED_FUSED``); N: the weight's rows."""
     impl, why = choose(M, N, K, dtype)
     if impl != "cute_gemv":
         return why or f"{impl} is the fastest plain GEMM here (the fusion lives in the CuTe GEMV)"
     cg = _cute()
     if (kind, N, K, M) not in cg.TUNED_FUSED:
         return "not measured faster than the unfused pair at this shape (cute_gemv.TUNED_FUSED)"
-    fusion = {"rms_norm": cg.Fusion(eps=1.0), "situ": cg.Fusion(situ=(1.0, 1.0)),
-              "gated_norm": cg.Fusion(eps=1.0, group=group)}[kind]
-    return cg.supported(M, N, K, fusion=fusion)
+    return cg.supported(M, N, K, fusion=cg.Fusion(eps=1.0) if kind == "rms_norm" else cg.Fusion(situ=(1.0, 1.0)))
 
 
 def _cute():
@@ -193,8 +190,8 @@ def _(x, weight):
     return x.new_empty(x.shape[0], x.shape[1], weight.shape[2])
 
 
-def _fused_here(x: Tensor, kind: str, weight: Tensor, group: int = 128) -> bool:
-    return x.is_cuda and not choose_fused(kind, x.shape[0], weight.shape[0], x.shape[1], x.dtype, group)
+def _fused_here(x: Tensor, kind: str, weight: Tensor) -> bool:
+    return x.is_cuda and not choose_fused(kind, x.shape[0], weight.shape[0], x.shape[1], x.dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::rms_norm_mm", mutates_args=())
@@ -209,27 +206,6 @@ def rms_norm_mm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, acc:
 
 @rms_norm_mm.register_fake
 def _(x, norm_weight, eps, weight, acc, out_dtype):
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::gated_norm_mm", mutates_args=())
-def gated_norm_mm(x: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, acc: Optional[Tensor],
-                  out_dtype: torch.dtype) -> Tensor:
-    """``[acc +] y W^T`` with y = bf16(gated_rms_norm(x, gate)) per group of
-    ``norm_weight.numel()`` columns (KDA's heads: the norm the KDA kernel leaves to
-    o_proj, ``kda_decode(normalize=False)``); x, gate [M, K] (any row strides)."""
-    if _fused_here(x, "gated_norm", weight, norm_weight.numel()):
-        cg = _cute()
-        return cg.run(x, weight.contiguous(), acc, out_dtype, fusion=cg.Fusion(eps=eps, group=norm_weight.numel()),
-                      norm_weight=norm_weight.contiguous(), gate=gate)
-    M, K = x.shape
-    y = gated_rms_norm(x.reshape(M, -1, norm_weight.numel()), gate.reshape(M, -1, norm_weight.numel()), norm_weight,
-                       eps)
-    return skinny_mm(y.reshape(M, K).to(x.dtype), weight, acc, out_dtype)
-
-
-@gated_norm_mm.register_fake
-def _(x, gate, norm_weight, eps, weight, acc, out_dtype):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
 

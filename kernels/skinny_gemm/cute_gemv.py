@@ -20,7 +20,7 @@ next call. Each compiled shape has its own zeroed counters, allocated with its e
 before CUDA-graph capture: two GEMMs of one shape must not run concurrently on two
 streams.
 
-Fused neighbours (``Fusion``), each one launch instead of two (or a kernel's tail moved):
+Fused neighbours (``Fusion``), each one launch instead of two:
 
 * RMSNorm prologue (``rms_norm_mm``): ``out = [acc +] rmsnorm(x) W^T``. Lanes multiply x
   by the norm weight as they load it and also sum x^2 over their K chunk; the row's
@@ -33,14 +33,6 @@ Fused neighbours (``Fusion``), each one launch instead of two (or a kernel's tai
   [2 I, K]: a warp owns R outputs and streams both their gate rows n and up rows
   I + n, so each output's two dot products meet in one lane, which rounds them to bf16
   (stock's GEMM output), applies SiTU in fp32 and rounds once more (stock's points).
-* Gated per-group RMSNorm prologue (``gated_norm_mm``, KDA's o_proj): ``y = bf16(x
-  rsqrt(mean_group(x^2) + eps) gamma sigmoid(gate))`` per group of GROUP columns (a
-  head), then ``[acc +] y W^T``. A warp step covers whole groups (GROUP divides 256), so
-  a group's GROUP / 8 lanes sum its squares with a butterfly and every lane normalises
-  its own x vector as it loads it, with the gate's vector (any row stride) and gamma's;
-  rounded to bf16 as stock's norm output. The KDA kernel then writes its head outputs
-  before the norm (``kda_decode(normalize=False)``): its V-split programs exchange no
-  o rows.
 
 On SM90+ the GEMV launches with programmatic dependent launch (``common.pdl``): its CTAs
 may be scheduled while the kernel before it still runs and wait for it in ``pdl_wait``,
@@ -79,17 +71,10 @@ DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: Float32, torch.int32:
 
 class Fusion(NamedTuple):
     """What the GEMV fuses: a RMSNorm prologue (``eps``), a SiTU-GLU epilogue (``situ`` =
-    (beta, linear beta)), a gated per-group RMSNorm prologue (``group`` and ``eps``), or
-    none. Constants of the compiled kernel."""
+    (beta, linear beta)), or neither. Constants of the compiled kernel."""
 
     eps: float | None = None
     situ: tuple[float, float] | None = None
-    group: int = 0
-
-    @property
-    def row_norm(self) -> bool:
-        """The RMSNorm over the whole row (a row scale of the finished dot products)."""
-        return self.eps is not None and not self.group
 
 
 PLAIN = Fusion()
@@ -168,13 +153,11 @@ TUNED_FUSED = {
     ("rms_norm", 2304, 1536, 2): Config(2, 2, 1, 2),
     ("situ", 12288, 7168, 1): Config(2, 4, 1, 4),  # shared experts gate_up -> SiTU
     ("situ", 12288, 7168, 2): Config(1, 2, 1, 4),
-    ("gated_norm", 7168, 1536, 1): Config(2, 8, 1, 2),  # KDA's gated norm -> o_proj (plain o_proj's)
-    ("gated_norm", 7168, 1536, 2): Config(2, 4, 1, 2),
 }
 
 
 def fusion_kind(fusion: Fusion) -> str:
-    return "situ" if fusion.situ else "gated_norm" if fusion.group else "rms_norm" if fusion.eps is not None else ""
+    return "situ" if fusion.situ else "rms_norm" if fusion.eps is not None else ""
 
 
 def fused_config(M: int, N: int, K: int, fusion: Fusion) -> Config:
@@ -200,9 +183,6 @@ def supported(M: int, N: int, K: int, cfg: Config | None = None, fusion: Fusion 
         return f"{M} rows x {wrows} weight rows per warp exceed the {WARP} lanes that write them"
     if K % (STEP * cfg.split) or N % cfg.r:
         return f"N={N}, K={K}: K must split into whole {STEP}-element warp steps"
-    g = fusion.group
-    if g and (g & (g - 1) or not VEC <= g <= STEP):
-        return f"groups of {g} (the gated norm takes a power of two in {VEC}..{STEP}: whole groups per warp step)"
     return ""
 
 
@@ -214,27 +194,27 @@ class SplitKGemv:
         self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
         self.preload = min(preload, k // (STEP * split)) if pdl else 0  # warp steps of W read before the wait
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
-        self.norm, self.situ, self.group = fusion.row_norm, fusion.situ is not None, fusion.group
-        self.eps, self.inv_k, self.inv_group = fusion.eps or 0.0, 1.0 / max(k, 1), 1.0 / max(fusion.group, 1)
+        self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
+        self.eps, self.inv_k = fusion.eps or 0.0, 1.0 / max(k, 1)
         self.beta, self.linear_beta = fusion.situ or (1.0, 1.0)
         self.tile = warps * r  # outputs per CTA
         self.wrows = 2 * r if self.situ else r  # weight rows per warp
         self.half = half  # SiTU: rows from a gate row to its up row (0: the outputs n)
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, gate: cute.Tensor, acc: cute.Tensor,
-                 out: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, stream: CUstream):
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+                 ws: cute.Tensor, counters: cute.Tensor, stream: CUstream):
         n = cute.size(out, mode=[1])
         k = cute.size(w, mode=[1])
         load_w, load_x = _loads(self.in_dtype)
-        self.kernel(x, w, gamma, gate, acc, out, ws, counters, n, k, load_w, load_x).launch(
+        self.kernel(x, w, gamma, acc, out, ws, counters, n, k, load_w, load_x).launch(
             grid=[cute.ceil_div(n, self.tile), self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, gate: cute.Tensor, acc: cute.Tensor,
-               out: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, n: Int32, k: Int32,
-               load_w: cute.CopyAtom, load_x: cute.CopyAtom):
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+               ws: cute.Tensor, counters: cute.Tensor, n: Int32, k: Int32, load_w: cute.CopyAtom,
+               load_x: cute.CopyAtom):
         """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
         with RMSNorm: the chunk's sum of x^2)]."""
         bx, s, _ = cute.arch.block_idx()
@@ -246,14 +226,14 @@ class SplitKGemv:
         ahead = self.read_ahead(w, n0, n, half, kv0, load_w)
         pdl_wait(self.pdl)
         if const_expr(self.split == 1):
-            self.tile_of(x, w, gamma, gate, acc, out, bx, load_w, load_x, ahead)
+            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x, ahead)
         else:
             flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-            self.split_tile(x, w, gamma, gate, acc, out, ws, counters, bx, s, flag, load_w, load_x, ahead)
+            self.split_tile(x, w, gamma, acc, out, ws, counters, bx, s, flag, load_w, load_x, ahead)
 
     @cute.jit
-    def split_tile(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, gate: cute.Tensor, acc: cute.Tensor,
-                   out: cute.Tensor, ws: cute.Tensor, counters: cute.Tensor, bx: Int32, s: Int32, flag: cute.Tensor,
+    def split_tile(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+                   ws: cute.Tensor, counters: cute.Tensor, bx: Int32, s: Int32, flag: cute.Tensor,
                    load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None):
         """CTA (``bx``, ``s``): K chunk s of output tile bx; the CTA that arrives last at
         ``counters[bx]`` sums the tile's partials and writes it. Returns whether this CTA
@@ -271,7 +251,7 @@ class SplitKGemv:
         n0 = bx * tile + warp * r
         part, sq = self.partials()
         if n0 < n:
-            self.dot(x, w, gamma, gate, n0, n, s * (k // (STEP * split)) * WARP + lane, k // (STEP * split), load_w,
+            self.dot(x, w, gamma, n0, n, s * (k // (STEP * split)) * WARP + lane, k // (STEP * split), load_w,
                      load_x, part, sq, ahead)
             for m in cutlass.range_constexpr(rows):
                 for j in cutlass.range_constexpr(wrows):
@@ -322,8 +302,7 @@ class SplitKGemv:
         return ahead
 
     @cute.jit
-    def dot(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, gate: cute.Tensor, n0: Int32, half, kv0: Int32,
-            steps: Int32,
+    def dot(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, n0: Int32, half, kv0: Int32, steps: Int32,
             load_w: cute.CopyAtom, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor,
             ahead: cute.Tensor | None = None):
         """The warp's dot products over ``steps`` warp steps from 16-byte vector ``kv0``,
@@ -339,17 +318,14 @@ class SplitKGemv:
         xr = cute.make_rmem_tensor(cute.make_layout((rows, VEC), stride=(VEC, 1)), self.in_dtype)
         wr = cute.make_rmem_tensor(cute.make_layout((wrows, VEC), stride=(VEC, 1)), self.in_dtype)
         gr = cute.make_rmem_tensor(cute.make_layout(VEC), self.in_dtype)
-        gv = cute.logical_divide(gamma, (None, VEC))  # gamma [1, K] ([1, group] with the gated norm)
-        tv = cute.logical_divide(gate, (None, VEC))  # the gated norm's gate [M, K]
-        tr = cute.make_rmem_tensor(cute.make_layout((rows, VEC), stride=(VEC, 1)), self.in_dtype)
-        vecs = (xv, gv, tv, xr, gr, tr)
+        gv = cute.logical_divide(gamma, (None, VEC))  # gamma [1, K]
         for t in cutlass.range_constexpr(self.preload):
-            self.accumulate(vecs, kv0 + t * WARP, ahead[t, None, None], load_x, part, sq)
+            self.accumulate(xv, gv, kv0 + t * WARP, ahead[t, None, None], xr, gr, load_x, part, sq)
         for t in cutlass.range(self.preload, steps, 1, unroll=self.unroll):
             kv = kv0 + t * WARP
             for j in cutlass.range_constexpr(wrows):  # SiTU: gate rows n0.., then up rows half + n0..
                 cute.copy(load_w, wv[n0 + j % r + (j // r) * half, (None, kv)], wr[j, None])
-            self.accumulate(vecs, kv, wr, load_x, part, sq)
+            self.accumulate(xv, gv, kv, wr, xr, gr, load_x, part, sq)
         cute.arch.griddepcontrol_launch_dependents()  # see ``pdl_wait`` (nothing in a launch without PDL)
         for m in cutlass.range_constexpr(rows):
             for j in cutlass.range_constexpr(wrows):
@@ -358,14 +334,10 @@ class SplitKGemv:
                 sq[m] = cute.arch.warp_reduction_sum(sq[m])
 
     @cute.jit
-    def accumulate(self, vecs: tuple, kv: Int32, wr: cute.Tensor, load_x: cute.CopyAtom, part: cute.Tensor,
-                   sq: cute.Tensor):
-        """One warp step: x's (and gamma's, the gate's) vectors ``kv`` times the weight
-        vectors ``wr`` [weight rows, VEC] into the lane's ``part`` (and ``sq``). ``vecs``:
-        x, gamma and gate as (row, (vector, k vector)) views, and their register tiles.
-        With the gated norm a group's GROUP / VEC consecutive lanes hold all of it (a
-        warp step is whole groups), so its sum of squares is a butterfly over them."""
-        xv, gv, tv, xr, gr, tr = vecs
+    def accumulate(self, xv: cute.Tensor, gv: cute.Tensor, kv: Int32, wr: cute.Tensor, xr: cute.Tensor,
+                   gr: cute.Tensor, load_x: cute.CopyAtom, part: cute.Tensor, sq: cute.Tensor):
+        """One warp step: x's (and gamma's) vectors ``kv`` times the weight vectors ``wr``
+        [weight rows, VEC] into the lane's ``part`` (and ``sq``)."""
         for m in cutlass.range_constexpr(self.rows):
             cute.copy(load_x, xv[m, (None, kv)], xr[m, None])
         xf = xr.load().to(Float32)
@@ -373,36 +345,18 @@ class SplitKGemv:
         if const_expr(self.norm):
             cute.copy(load_x, gv[0, (None, kv)], gr)
             gf = gr.load().to(Float32)
-        scale = []  # the gated norm's per-row rsqrt(mean(x^2) + eps) of this lane's group
-        if const_expr(self.group):
-            lanes: cutlass.Constexpr = self.group // VEC
-            cute.copy(load_x, gv[0, (None, kv % lanes)], gr)
-            gf = gr.load().to(Float32)
-            for m in cutlass.range_constexpr(self.rows):
-                cute.copy(load_x, tv[m, (None, kv)], tr[m, None])
-            tf = tr.load().to(Float32)
-            for m in cutlass.range_constexpr(self.rows):
-                ss = Float32(0.0)
-                for e in cutlass.range_constexpr(VEC):
-                    ss = ss + xf[m, e] * xf[m, e]
-                for d in cutlass.range_constexpr(int(math.log2(lanes))):
-                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << d)
-                scale.append(cute.math.rsqrt(ss * self.inv_group + self.eps))
         for e in cutlass.range_constexpr(VEC):
             for m in cutlass.range_constexpr(self.rows):
                 xe = xf[m, e]
                 if const_expr(self.norm):
                     sq[m] = sq[m] + xe * xe
                     xe = xe * gf[e]
-                if const_expr(self.group):  # stock's order, rounded to bf16 as stock's norm output
-                    xe = (xe * scale[m] * gf[e] * _sigmoid(tf[m, e])).to(self.in_dtype).to(Float32)
                 for j in cutlass.range_constexpr(self.wrows):
                     part[m, j] = part[m, j] + xe * wf[j, e]
 
     @cute.jit
-    def tile_of(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, gate: cute.Tensor, acc: cute.Tensor,
-                out: cute.Tensor, bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom,
-                ahead: cute.Tensor | None = None):
+    def tile_of(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
+                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None):
         """CTA ``bx``'s outputs over all of K (no split): out[:, bx TILE .. (bx + 1) TILE).
         With SiTU the up rows start ``self.half`` rows after the gate rows (0: after all n
         gate rows, the [gate; up] weight)."""
@@ -411,8 +365,8 @@ class SplitKGemv:
         n0 = bx * self.tile + cute.arch.warp_idx() * self.r
         part, sq = self.partials()
         if n0 < n:
-            self.dot(x, w, gamma, gate, n0, self.half if self.half else n, lane, cute.size(w, mode=[1]) // STEP,
-                     load_w, load_x, part, sq, ahead)
+            self.dot(x, w, gamma, n0, self.half if self.half else n, lane, cute.size(w, mode=[1]) // STEP, load_w,
+                     load_x, part, sq, ahead)
             for m in cutlass.range_constexpr(self.rows):
                 for j in cutlass.range_constexpr(self.r):
                     if lane == m * self.r + j:
@@ -506,15 +460,15 @@ class MoEInGemv:
         tiles: cutlass.Constexpr = self.tiles[0]
         bx, _, _ = cute.arch.block_idx()
         pdl_wait(self.pdl)
-        if bx < b0:  # x stands in for the unused norm weight, gate and accumulator
+        if bx < b0:  # x stands in for the unused norm weight and accumulator
             smem = cutlass.memory.SmemAllocator()
             flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
             finished = True
             if const_expr(self.segments[0].split == 1):
-                self.segments[0].tile_of(x, w_router, x, x, x, logits, bx, load_w, load_x)
+                self.segments[0].tile_of(x, w_router, x, x, logits, bx, load_w, load_x)
             else:  # the chunks of a tile are CTAs bx, bx + tiles, ...
-                finished = self.segments[0].split_tile(x, w_router, x, x, x, logits, ws, counters, bx % tiles,
-                                                       bx // tiles, flag, load_w, load_x)
+                finished = self.segments[0].split_tile(x, w_router, x, x, logits, ws, counters, bx % tiles, bx // tiles, flag,
+                                             load_w, load_x)
             if const_expr(self.routing is not None):
                 rows: cutlass.Constexpr = self.rows
                 scores = smem.allocate_tensor(Float32, cute.make_layout((rows, self.routing.experts),
@@ -526,9 +480,9 @@ class MoEInGemv:
                         self.route(logits, bias, weights, ids, scores, cand, chosen)
         else:
             if bx < b1:
-                self.segments[1].tile_of(x, w_latent, x, x, x, latent, bx - b0, load_w, load_x)
+                self.segments[1].tile_of(x, w_latent, x, x, latent, bx - b0, load_w, load_x)
             else:
-                self.segments[2].tile_of(x, w_shared, x, x, x, shared, bx - b1, load_w, load_x)
+                self.segments[2].tile_of(x, w_shared, x, x, shared, bx - b1, load_w, load_x)
 
     @cute.jit
     def route(self, logits: cute.Tensor, bias: cute.Tensor, weights: cute.Tensor, ids: cute.Tensor,
@@ -717,23 +671,20 @@ def _fake(dtype, shape):
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0,
-                 gate_stride: int | None = None):
+                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
     N: the weight's rows; ``pdl``: launched with programmatic dependent launch;
     ``x_stride``: x's row stride (``row_stride``), K when omitted; ``preload``: warp steps
-    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps);
-    ``gate_stride``: the gated norm's gate [M, K], its row stride (K when omitted)."""
+    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps)."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
                         fusion, K, pdl=pdl, preload=preload)
     n_out = N // 2 if fusion.situ else N
     x = make_fake_tensor(cutlass.BFloat16, (M, K), (x_stride or K, 1), assumed_align=16)
-    gate = make_fake_tensor(cutlass.BFloat16, (M, K), (gate_stride or K, 1), assumed_align=16)
-    args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, fusion.group or K)), gate,
+    args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
             _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
-            _fake(torch.float32, (cfg.split, M, N + fusion.row_norm)),
+            _fake(torch.float32, (cfg.split, M, N + (fusion.eps is not None))),
             _fake(torch.int32, (tiles(n_out, cfg),)),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # launches on torch's current stream
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
@@ -762,15 +713,6 @@ def row_stride(x: torch.Tensor) -> int | None:
     return x.stride(0) if x.stride(0) % VEC == 0 else None
 
 
-def in_place(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(x, its row stride) where the GEMV reads x in place (``row_stride``), else a fresh
-    compact copy (``contiguous`` keeps a misaligned one-row view) and K."""
-    stride = row_stride(x)
-    if stride is None:
-        return torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), x.shape[1]
-    return x, stride
-
-
 def tiles(N: int, cfg: Config) -> int:
     return -(-N // (cfg.warps * cfg.r))
 
@@ -779,31 +721,29 @@ _executors: dict[tuple, tuple[object, torch.Tensor]] = {}  # key -> (executor, i
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dtype: torch.dtype,
-        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None,
-        gate: torch.Tensor | None = None) -> torch.Tensor:
-    """``[acc +] f(x) W^T`` on the GPU, f the ``fusion``'s prologue (``norm_weight``: the
-    RMSNorm's [K] or the gated norm's [group]; ``gate``: the gated norm's [M, K])."""
+        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
     n_out = N // 2 if fusion.situ else N
     cfg = cfg or fused_config(M, N, K, fusion)
     on = bool(pdl(x.device)["PDL"])
-    x, stride = in_place(x)
-    gate, gate_stride = in_place(gate) if gate is not None else (x, stride)  # read only with the gated norm
+    stride = row_stride(x)
+    if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
+        x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
     ahead = preload_steps() if on else 0
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, gate_stride, ahead, x.device.index)
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
         counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
         _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
-                                       x_stride=stride, preload=ahead, gate_stride=gate_stride), counters
+                                       x_stride=stride, preload=ahead), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
-    ws = torch.empty(cfg.split, M, N + fusion.row_norm, dtype=torch.float32, device=x.device)
-    gamma = (norm_weight if norm_weight is not None else weight[0]).view(1, -1)  # read only with a norm
-    exe(x, weight, gamma, gate, acc if acc is not None else out, out, ws, counters)
+    ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)
+    gamma = (norm_weight if norm_weight is not None else weight[0]).view(1, K)  # read only with RMSNorm
+    exe(x, weight, gamma, acc if acc is not None else out, out, ws, counters)
     return out
 
 

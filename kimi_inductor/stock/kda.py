@@ -62,29 +62,9 @@ def kda_decode(
 ) -> Tensor:
     # Written without data-dependent shapes (padding is masked, not skipped) so that
     # Inductor can trace it and CUDA graphs can capture it (the stock baseline).
-    o, live = recurrence(mixed_qkv, g1, beta, conv_weight, A_log, dt_bias, conv_state, recurrent_state, state_slots,
-                         num_accepted, lower_bound)
-    R, q, H, V = o.shape
-    # 5. gated RMSNorm; padding requests output zeros
-    of = gated_rms_norm(o.to(g2.dtype), g2.view(R, q, H, V), norm_weight, norm_eps)
-    of = torch.where(live[:, None, None, None], of, 0.0)
-    return of.reshape(g2.shape).to(g2.dtype)
-
-
-def gated_rms_norm(o: Tensor, g2: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
-    """Step 5 per head, fp32: RMSNorm(o) * o_norm * sigmoid(g2) over o's last dim
-    (o, g2 [..., V] bf16, norm_weight [V])."""
-    of = o.float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
-    return of * norm_weight.float() * torch.sigmoid(g2.float())
-
-
-def recurrence(mixed_qkv: Tensor, g1: Tensor, beta: Tensor, conv_weight: Tensor, A_log: Tensor, dt_bias: Tensor,
-               conv_state: Tensor, recurrent_state: Tensor, state_slots: Tensor, num_accepted: Tensor,
-               lower_bound: float) -> tuple[Tensor, Tensor]:
-    """Steps 1-4, updating both states: (o [R, q, H, V] fp32 before its norm, live [R])."""
     R, q = state_slots.shape
     check_q(q, "kimi::kda_decode")
+    T, P = g2.shape
     H, V, K = recurrent_state.shape[1:]
     slots = state_slots.long().clamp(min=0)  # [R, q]; slot 0 is the null slot
     live = state_slots[:, 0] > 0  # [R]
@@ -121,7 +101,14 @@ def recurrence(mixed_qkv: Tensor, g1: Tensor, beta: Tensor, conv_weight: Tensor,
         outs.append((state @ qf[:, t].unsqueeze(-1)).squeeze(-1))
         keep = (live & (state_slots[:, t] > 0))[:, None, None, None]
         recurrent_state[slots[:, t]] = torch.where(keep, state.to(recurrent_state.dtype), recurrent_state[slots[:, t]])
-    return torch.stack(outs, dim=1), live  # o [R, q, H, V]
+    o = torch.stack(outs, dim=1)  # [R, q, H, V]
+
+    # 5. gated RMSNorm; padding requests output zeros
+    of = o.to(g2.dtype).float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps)
+    of = of * norm_weight.float() * torch.sigmoid(g2.view(R, q, H, V).float())
+    of = torch.where(live[:, None, None, None], of, 0.0)
+    return of.reshape(T, P).to(g2.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
