@@ -92,6 +92,9 @@ def _situ(gate, up):
 SITU = _situ(CallFunction(aten.slice.Tensor, KeywordArg("gate_of"), 1, 0, KeywordArg("d")),
              CallFunction(aten.slice.Tensor, KeywordArg("up_of"), 1, KeywordArg("d_up"), KeywordArg("end")))
 SITU_PAIR = _situ(KeywordArg("gate"), KeywordArg("up"))  # gate and up from two GEMMs (sharded_moe's blocks)
+OUTPUT_GATE = CallFunction(prims.convert_element_type.default, CallFunction(
+    aten.mul.Tensor, _f32(KeywordArg("x")), CallFunction(aten.sigmoid.default, _f32(KeywordArg("gate")))),
+    KeywordArg("dtype"))
 
 
 def _bind(pattern, node) -> dict[str, Any] | None:
@@ -145,3 +148,27 @@ def situ_pair_of(node) -> tuple[fx.Node, fx.Node, float, float] | None:
         return None
     return gate, up, float(kw["beta"]), float(kw["linear_beta"])
 
+
+
+def gated_heads_of(node) -> tuple[fx.Node, fx.Node] | None:
+    """(bmm, gate) when ``node`` is stock's MLA output gate (``stock.mla.output_gate``) of a
+    per-head GEMM's output laid out as [M, B N] (``bmm(x, W)`` [B, M, N] permuted to
+    [M, B, N], copied if need be, reshaped), each step read by the next alone; else None."""
+    kw = _bind(OUTPUT_GATE, node)
+    if kw is None:
+        return None
+    chain = kw["x"]
+    if chain.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return None
+    perm = chain.args[0]
+    if perm.target is aten.clone.default:
+        perm = perm.args[0]
+    bmm = perm.args[0] if perm.target is aten.permute.default and list(perm.args[1]) == [1, 0, 2] else None
+    if bmm is None or bmm.target is not aten.bmm.default:
+        return None
+    B, M, N = bmm.meta["val"].shape
+    steps = [bmm, perm, *([chain.args[0]] if chain.args[0] is not perm else []), chain]
+    if (any(len(n.users) != 1 for n in steps) or tuple(chain.meta["val"].shape) != (M, B * N)
+            or kw["dtype"] != bmm.meta["val"].dtype or tuple(kw["gate"].meta["val"].shape) != (M, B * N)):
+        return None
+    return bmm, kw["gate"]

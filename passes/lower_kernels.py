@@ -8,6 +8,7 @@ Matches and produces (M = rows, at most 64):
     mm(f32(x), permute(f32(W), [1, 0]))  (router)   kimi_kernels.skinny_mm(x, W, None, f32)
     mm.dtype(x, permute(W), f32)         (router)   kimi_kernels.skinny_mm(x, W, None, f32)
     bmm(x, W)  (MLA absorption, v up-projection)    kimi_kernels.skinny_bmm(x, W)
+    output_gate(bmm(x, W) as [M, B N], g)           kimi_kernels.skinny_bmm_gate(x, W, g)  (MLA's v up + gate)
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
@@ -63,7 +64,7 @@ from kimi_inductor.kernels import skinny_gemm
 
 from . import moe_projections, moe_router, roles, vllm_kda, vllm_mla
 from .decoder import _between
-from .gemm_neighbours import match_gemm, rms_norm_of, situ_of
+from .gemm_neighbours import gated_heads_of, match_gemm, rms_norm_of, situ_of
 from .graph import OpCall, TritonCall, op_name
 from .report import PassInfo
 
@@ -234,8 +235,24 @@ class LowerKernels:
                 g.erase_node(node)
                 per_node[new] = "norm_gemm" if norm else "gemm"
             info.rewritten += 1
+        gated = {m[0]: (n, m[1]) for n in g.nodes if (m := gated_heads_of(n)) is not None}  # bmm -> its gate
         for node in [n for n in g.nodes if n.target is aten.bmm.default]:  # MLA's per-head GEMMs
             x, w = node.args
+            if node in gated:  # the v up-projection and the output gate: one launch
+                info.matched += 1
+                out, gate = gated[node]
+                (B, M, K), N = x.meta["val"].shape, w.meta["val"].shape[2]
+                why = (not isinstance(M, int) and "symbolic rows") or \
+                    skinny_gemm.choose_bmm_gate(B, M, K, N, x.meta["val"].dtype)
+                if not why:
+                    with g.inserting_before(out):
+                        new = g.call_function(kk.skinny_bmm_gate.default, (x, w, gate))
+                    new.meta["val"] = out.meta["val"]
+                    out.replace_all_uses_with(new)
+                    per_node[new] = "bmm_gate"
+                    info.rewritten += 1
+                    continue
+                kept[f"per-head GEMM {B}x{K}x{N} + output gate, unfused: {why}"] += 1
             info.matched += 1
             (B, M, K), N = x.meta["val"].shape, w.meta["val"].shape[2]
             why = (not isinstance(M, int) and "symbolic rows") or skinny_gemm.choose_bmm(B, M, K, N, x.meta["val"].dtype)
@@ -327,7 +344,7 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
 
 
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
-          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
+          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU", "bmm_gate": "per-head GEMM + gate",
           "moe_in": "router + latent down + shared gate/up SiTU (one launch)",
           "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one launch)",
           "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}

@@ -130,6 +130,46 @@ def test_mla_per_head_gemms_are_lowered_at_k3_shapes(rows, lowered):
     assert all(torch.equal(a, b) for a, b in zip(gm(*real), heads(*real)))
 
 
+@pytest.mark.parametrize("rows, lowered", [(1, True), (2, True), (3, False)])
+def test_mla_v_up_and_output_gate_are_one_launch_at_k3_shapes(rows, lowered):
+    """MLA's tail as AOTAutograd spells stock's: the v up-projection (latent [T, 12, 512] x
+    W_UV^T, heads permuted back, copied when T > 1), the sigmoid output gate and o_proj:
+    ``skinny_bmm_gate`` where it is measured (``FASTEST_BMM_GATE``), else the bmm kept
+    with its reason; on CPU bitwise the unlowered graph."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kimi_inductor.config import Options
+    from kimi_inductor.passes.decoder import DecoderGraph
+    from kimi_inductor.passes.lower_kernels import LowerKernels
+    from kimi_inductor.passes.manager import PassContext
+    from kimi_inductor.passes.report import MatchReport
+    from kimi_inductor.stock.mla import output_gate
+
+    def tail(latent, kv_b, gate, w_o):
+        attn = torch.bmm(latent.transpose(0, 1), kv_b[:, 128:].transpose(1, 2)).transpose(0, 1)
+        return output_gate(attn.reshape(latent.shape[0], -1), gate) @ w_o.t()
+
+    bf16 = torch.bfloat16
+    shapes = [(rows, 12, 512), (12, 256, 512), (rows, 1536), (7168, 1536)]
+    with FakeTensorMode():
+        gm = make_fx(tail, decomposition_table=select_decomp_table())(*[torch.empty(s, dtype=bf16) for s in shapes])
+    info = LowerKernels()(gm, PassContext(gm, Options(), MatchReport(), DecoderGraph()))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    kk = torch.ops.kimi_kernels
+    assert targets.count(kk.skinny_bmm_gate.default) == lowered
+    assert lowered or any(s.endswith("per-head GEMM 12x512x128 + output gate, unfused: 3 rows: measured faster only up "
+                                     "to 2 (skinny_gemm.FASTEST_BMM_GATE)") for s in info.skipped)
+    if lowered:
+        assert not {torch.ops.aten.bmm.default, torch.ops.aten.sigmoid.default, torch.ops.aten.clone.default} \
+            & set(targets)
+    g = torch.Generator().manual_seed(rows)
+    real = [torch.randn(s, generator=g).to(bf16) for s in shapes]
+    gm.recompile()
+    assert torch.equal(gm(*real), tail(*real))
+
+
 def test_fused_ops_compute_stock_on_cpu():
     """The fused ops' CPU references are stock's functions around the same GEMM."""
     from kimi_inductor.stock.attn_res import rms_norm

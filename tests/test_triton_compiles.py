@@ -105,19 +105,21 @@ def test_skinny_gemm_on_fp32_operands_is_ieee_fp32(dot_f32):
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
-@pytest.mark.parametrize("K, N, unit", [(128, 512, "stride_wn"), (512, 128, "stride_wk")])
-def test_per_head_gemm_compiles_for_sm90_with_pdl_and_strided_operands(K, N, unit):
-    """MLA's absorption (W_UK N-contiguous) and v up-projection (W_UV^T K-contiguous): x a
-    permuted view (K contiguous), bf16 tensor-core dots, launched with PDL."""
+@pytest.mark.parametrize("K, N, unit, gate", [(128, 512, "stride_wn", False), (512, 128, "stride_wk", False),
+                                           (512, 128, "stride_wk", True)])
+def test_per_head_gemm_compiles_for_sm90_with_pdl_and_strided_operands(K, N, unit, gate):
+    """MLA's absorption (W_UK N-contiguous) and v up-projection (W_UV^T K-contiguous, also
+    with the output gate): x a permuted view (K contiguous), bf16 tensor-core dots,
+    launched with PDL."""
     from kimi_inductor.kernels.skinny_gemm import tl_dot
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-           **{s: "i32" for s in ("stride_xb", "stride_xm", "stride_xk", "stride_wb", "stride_wk", "stride_wn",
-                                 "stride_ob", "stride_om")},
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "gate_ptr": "*bf16", "M": "i32", "N": "i32",
+           "K": "i32", **{s: "i32" for s in ("stride_xb", "stride_xm", "stride_xk", "stride_wb", "stride_wk",
+                                             "stride_wn", "stride_ob", "stride_om", "stride_gm")},
            "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "DOT_F32": "constexpr", "ROUND": "constexpr",
-           "PDL": "constexpr"}
-    constexprs = {**tl_dot.bmm_config(12, 1, K, N), "DOT_F32": False, "ROUND": True, "PDL": True, "stride_xk": 1,
-                  unit: 1}
+           "GATE": "constexpr", "PDL": "constexpr"}
+    constexprs = {**tl_dot.bmm_config(12, 1, K, N), "DOT_F32": False, "ROUND": True, "GATE": gate, "PDL": True,
+                  "stride_xk": 1, unit: 1}
     ptx = triton.compile(ASTSource(tl_dot._bmm_kernel, sig, constexprs=constexprs), target=SM90,
                          options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "mma" in ptx

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from kimi_inductor.stock.attn_res import rms_norm
 from kimi_inductor.stock.layers import situ_and_mul
+from kimi_inductor.stock.mla import output_gate
 
 from ..common import INTERPRET, triton
 from . import tl_dot
@@ -75,6 +76,11 @@ BMM_RESULTS = "docs/results/mla_layer_h200_v8.json"
 FASTEST_BMM: dict[tuple[int, int, int], int] = {
     (12, 128, 512): 1,  # MLA absorption, TP8 (12 heads)
     (12, 512, 128): 1,  # MLA v up-projection
+}
+# (B, K, N) -> up to M rows: the v up-projection with MLA's output gate in its epilogue
+# (``skinny_bmm_gate``: one launch for cuBLAS's bmm, the heads' layout copy and the gate)
+FASTEST_BMM_GATE: dict[tuple[int, int, int], int] = {
+    (12, 512, 128): 2,
 }
 
 
@@ -133,6 +139,16 @@ def choose_bmm(B: int, M: int, K: int, N: int, dtype: torch.dtype) -> str:
     return ""
 
 
+def choose_bmm_gate(B: int, M: int, K: int, N: int, dtype: torch.dtype) -> str:
+    """Why the gated per-head GEMM stays unfused ('' when ``tl_dot.run_bmm`` takes it)."""
+    why = supported(M, N, K, dtype)
+    if why:
+        return why
+    if M > FASTEST_BMM_GATE.get((B, K, N), 0):
+        return f"{M} rows: measured faster only up to {FASTEST_BMM_GATE.get((B, K, N), 0)} (skinny_gemm.FASTEST_BMM_GATE)"
+    return ""
+
+
 def choose_fused(kind: str, M: int, N: int, K: int, dtype: torch.dtype) -> str:
     """Why ``kind`` ('rms_norm' or 'situ') is not fused into this GEMM ('' when the CuTe
     GEMV takes both: at the shapes and rows where that measured faster on H200,
@@ -188,6 +204,23 @@ def skinny_bmm(x: Tensor, weight: Tensor) -> Tensor:
 @skinny_bmm.register_fake
 def _(x, weight):
     return x.new_empty(x.shape[0], x.shape[1], weight.shape[2])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::skinny_bmm_gate", mutates_args=())
+def skinny_bmm_gate(x: Tensor, weight: Tensor, gate: Tensor) -> Tensor:
+    """MLA's v up-projection and output gate in one launch: ``output_gate(y, gate)`` with
+    y = ``bmm(x, W)`` [B, M, N] laid out as [M, B N] (heads side by side), gate [M, B N]."""
+    B, M, K = x.shape
+    N = weight.shape[2]
+    ours = not choose_bmm_gate(B, M, K, N, x.dtype) if x.is_cuda else INTERPRET and not supported(M, N, K, x.dtype)
+    if ours:
+        return tl_dot.run_bmm(x, weight, gate if gate.stride(1) == 1 else gate.contiguous())
+    return output_gate(torch.bmm(x, weight).transpose(0, 1).reshape(M, B * N), gate)
+
+
+@skinny_bmm_gate.register_fake
+def _(x, weight, gate):
+    return x.new_empty(x.shape[1], x.shape[0] * weight.shape[2])
 
 
 def _fused_here(x: Tensor, kind: str, weight: Tensor) -> bool:

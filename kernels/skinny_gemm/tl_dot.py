@@ -78,10 +78,12 @@ if triton is not None:
         tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bmm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xb, stride_xm, stride_xk, stride_wb, stride_wk,
-                    stride_wn, stride_ob, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
-        """One program per (head b, BN columns): out[b, :M, cols] = x[b] W[b][:, cols]."""
+    def _bmm_kernel(x_ptr, w_ptr, out_ptr, gate_ptr, M, N, K, stride_xb, stride_xm, stride_xk, stride_wb, stride_wk,
+                    stride_wn, stride_ob, stride_om, stride_gm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    DOT_F32: tl.constexpr, ROUND: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr):
+        """One program per (head b, BN columns): out[b, :M, cols] = x[b] W[b][:, cols]; with
+        GATE, rounded, times sigmoid(gate[m, b N + col]) and rounded again (out's strides
+        then those of [M, B N])."""
         pdl_wait(PDL)
         b = tl.program_id(0).to(tl.int64)
         rm = tl.arange(0, BM)
@@ -97,8 +99,13 @@ if triton is not None:
                 acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-        tl.store(out_ptr + b * stride_ob + rm[:, None] * stride_om + rn[None, :],
-                 bf16_round(acc, ROUND).to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        acc = bf16_round(acc, ROUND)
+        if GATE:
+            g = tl.load(gate_ptr + rm[:, None] * stride_gm + b * N + rn[None, :], mask=mask, other=0.0)
+            acc = bf16_round(acc * tl.sigmoid(g.to(tl.float32)), ROUND)
+        tl.store(out_ptr + b * stride_ob + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 class Tile(NamedTuple):
@@ -158,19 +165,22 @@ def bmm_config(B: int, M: int, K: int, N: int) -> dict[str, int]:
     return dict(BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=min(128, max(16, triton.next_power_of_2(K))))
 
 
-def run_bmm(x: Tensor, weight: Tensor) -> Tensor:
+def run_bmm(x: Tensor, weight: Tensor, gate: Tensor | None = None) -> Tensor:
     """x [B, M, K] times weight [B, K, N], both with any strides (MLA's heads are a
     permuted view of q, its weights views of kv_b: W_UK N-contiguous, W_UV^T K-contiguous;
     Triton specialises the unit stride) -> [B, M, N] contiguous, in x's dtype, fp32
-    accumulation."""
+    accumulation. With ``gate`` [M, B N] (unit column stride): the heads side by side,
+    [M, B N], each rounded product times sigmoid(gate) (MLA's output gate)."""
     B, M, K = x.shape
     N = weight.shape[2]
     cfg = bmm_config(B, M, K, N)
-    out = torch.empty(B, M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, B * N, dtype=x.dtype, device=x.device) if gate is not None else \
+        torch.empty(B, M, N, dtype=x.dtype, device=x.device)
+    strides = (N, B * N) if gate is not None else (out.stride(0), out.stride(1))
     _bmm_kernel[(B, triton.cdiv(N, cfg["BN"]))](
-        x, weight, out, M, N, K, *x.stride(), *weight.stride(), out.stride(0), out.stride(1),
-        DOT_F32=dot_f32(x.dtype), ROUND=x.dtype == torch.bfloat16, num_warps=4, num_stages=3, **cfg,
-        **pdl(x.device))
+        x, weight, out, gate if gate is not None else out, M, N, K, *x.stride(), *weight.stride(), *strides,
+        gate.stride(0) if gate is not None else 0, DOT_F32=dot_f32(x.dtype), ROUND=x.dtype == torch.bfloat16,
+        GATE=gate is not None, num_warps=4, num_stages=3, **cfg, **pdl(x.device))
     return out
 
 

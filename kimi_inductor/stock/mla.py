@@ -147,6 +147,11 @@ def attend_cache(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: T
         return out.reshape(T, N, L), lse.reshape(T, N)
     return latent_attention(query, context, mask, L, scale).reshape(T, N, L).to(ql_nope.dtype)
 
+def output_gate(attn: Tensor, gate: Tensor) -> Tensor:
+    """The sigmoid output gate: attn * sigmoid(gate) in fp32, rounded once to attn's dtype."""
+    return (attn.float() * torch.sigmoid(gate.float())).to(attn.dtype)
+
+
 class MultiHeadLatentAttention(nn.Module):
     """vLLM 0.33.0's K3 ``MultiHeadLatentAttention`` on one rank."""
 
@@ -189,8 +194,7 @@ class MultiHeadLatentAttention(nn.Module):
         w_uv = self.kv_b_proj.weight.view(N, -1, L)[:, self.qk_nope_head_dim :]  # [N, v, L]
         attn = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         attn = attn.reshape(latent.shape[0], -1)
-        attn = (attn.float() * torch.sigmoid(gate.float())).to(attn.dtype)
-        out = self.o_proj(attn)
+        out = self.o_proj(output_gate(attn, gate))
         return out if self.par.sequence_parallel else all_reduce(out, self.par)
 
     def forward(self, x: Tensor, step: DecodeStep, cache: LayerCache) -> Tensor:

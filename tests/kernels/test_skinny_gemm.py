@@ -95,6 +95,26 @@ def test_per_head_gemm_matches_torch(B, K, N, M):
         assert (tl_dot.run_bmm(xf, wf).cpu() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("B, K, N", [(12, 512, 128)] if DEVICE == "cuda" else [(4, 256, 40)])
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_per_head_gemm_with_the_output_gate(B, K, N, M):
+    """``skinny_bmm_gate`` (MLA's v up-projection, heads side by side, times sigmoid of a
+    column slice of the gate): stock's ``output_gate`` of the rounded product, within one
+    bf16 ulp of each rounding (the product's fp32 sums differ in order)."""
+    from kimi_inductor.stock.mla import output_gate
+
+    g = torch.Generator().manual_seed(B + M)
+    x = torch.randn(M, B, K, generator=g).to(torch.bfloat16).to(DEVICE).permute(1, 0, 2)
+    w = (torch.randn(B, N, K + 64, generator=g) * K**-0.5).to(torch.bfloat16).to(DEVICE)[..., :K].transpose(1, 2)
+    gate = torch.randn(M, B * N + 32, generator=g).to(torch.bfloat16).to(DEVICE)[:, 16:16 + B * N]
+    want = output_gate((x.float() @ w.float()).to(torch.bfloat16).transpose(0, 1).reshape(M, B * N), gate)
+    got = torch.ops.kimi_kernels.skinny_bmm_gate(x, w, gate)
+    assert got.shape == (M, B * N) and got.is_contiguous()
+    check(got, want.float().cpu(), torch.bfloat16)
+    if DEVICE == "cuda" and skinny_gemm.choose_bmm_gate(B, M, K, N, x.dtype):
+        assert torch.equal(got, output_gate(torch.bmm(x, w).transpose(0, 1).reshape(M, B * N), gate))
+
+
 def test_per_head_gemm_dispatch_names_its_reason():
     assert skinny_gemm.choose_bmm(12, 1, 128, 512, torch.bfloat16) == ""
     assert "faster from 2 rows" in skinny_gemm.choose_bmm(12, 2, 512, 128, torch.bfloat16)  # measured
