@@ -113,8 +113,8 @@ def rms_norm_of(node) -> tuple[fx.Node, fx.Node, float] | None:
     if spelled is not None:
         return spelled
     kw = _bind(RMS_NORM, node)
-    if kw is None or kw["dtype"] != kw["x"].meta["val"].dtype:
-        return None
+    if kw is None or kw["dtype"] != kw["x"].meta["val"].dtype or not isinstance(kw["eps"], (int, float)):
+        return None  # (a traced eps: a symbolic graph's arithmetic)
     return kw["x"], kw["norm_weight"], float(kw["eps"])
 
 
