@@ -78,7 +78,11 @@ FASTEST_BMM: dict[tuple[int, int, int], int] = {
     (12, 512, 128): 1,  # MLA v up-projection
 }
 # (B, K, N) -> up to M rows: the v up-projection with MLA's output gate in its epilogue
-# (``skinny_bmm_gate``: one launch for cuBLAS's bmm, the heads' layout copy and the gate)
+# (``skinny_bmm_gate``: one launch in place of the bmm, the heads' layout copy and the gate).
+# Not timed itself yet (session 17 ran out of GPU time): taken where the plain Triton bmm
+# measured faster than cuBLAS (1 row) or equal (2 rows, BMM_RESULTS), as it also removes
+# the copy and gate kernel (1.2 us alone at 1-2 rows on an H100,
+# docs/results/session17_h100/mla_layer_profile_nopdl_kvnorm.json).
 FASTEST_BMM_GATE: dict[tuple[int, int, int], int] = {
     (12, 512, 128): 2,
 }
