@@ -149,7 +149,6 @@ def situ_pair_of(node) -> tuple[fx.Node, fx.Node, float, float] | None:
     return gate, up, float(kw["beta"]), float(kw["linear_beta"])
 
 
-
 def gated_heads_of(node) -> tuple[fx.Node, fx.Node] | None:
     """(bmm, gate) when ``node`` is stock's MLA output gate (``stock.mla.output_gate``) of a
     per-head GEMM's output laid out as [M, B N] (``bmm(x, W)`` [B, M, N] permuted to

@@ -238,12 +238,11 @@ class LowerKernels:
         gated = {m[0]: (n, m[1]) for n in g.nodes if (m := gated_heads_of(n)) is not None}  # bmm -> its gate
         for node in [n for n in g.nodes if n.target is aten.bmm.default]:  # MLA's per-head GEMMs
             x, w = node.args
+            info.matched += 1
+            (B, M, K), N, dtype = x.meta["val"].shape, w.meta["val"].shape[2], x.meta["val"].dtype
             if node in gated:  # the v up-projection and the output gate: one launch
-                info.matched += 1
                 out, gate = gated[node]
-                (B, M, K), N = x.meta["val"].shape, w.meta["val"].shape[2]
-                why = (not isinstance(M, int) and "symbolic rows") or \
-                    skinny_gemm.choose_bmm_gate(B, M, K, N, x.meta["val"].dtype)
+                why = (not isinstance(M, int) and "symbolic rows") or skinny_gemm.choose_bmm_gate(B, M, K, N, dtype)
                 if not why:
                     with g.inserting_before(out):
                         new = g.call_function(kk.skinny_bmm_gate.default, (x, w, gate))
@@ -253,9 +252,7 @@ class LowerKernels:
                     info.rewritten += 1
                     continue
                 kept[f"per-head GEMM {B}x{K}x{N} + output gate, unfused: {why}"] += 1
-            info.matched += 1
-            (B, M, K), N = x.meta["val"].shape, w.meta["val"].shape[2]
-            why = (not isinstance(M, int) and "symbolic rows") or skinny_gemm.choose_bmm(B, M, K, N, x.meta["val"].dtype)
+            why = (not isinstance(M, int) and "symbolic rows") or skinny_gemm.choose_bmm(B, M, K, N, dtype)
             if why:
                 kept[f"per-head GEMM {B}x{K}x{N}: {why}"] += 1
                 continue

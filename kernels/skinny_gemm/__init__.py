@@ -149,7 +149,7 @@ def choose_bmm_gate(B: int, M: int, K: int, N: int, dtype: torch.dtype) -> str:
     if why:
         return why
     if M > FASTEST_BMM_GATE.get((B, K, N), 0):
-        return f"{M} rows: measured faster only up to {FASTEST_BMM_GATE.get((B, K, N), 0)} (skinny_gemm.FASTEST_BMM_GATE)"
+        return f"{M} rows: taken up to {FASTEST_BMM_GATE.get((B, K, N), 0)} (skinny_gemm.FASTEST_BMM_GATE)"
     return ""
 
 

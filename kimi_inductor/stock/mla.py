@@ -147,6 +147,7 @@ def attend_cache(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: T
         return out.reshape(T, N, L), lse.reshape(T, N)
     return latent_attention(query, context, mask, L, scale).reshape(T, N, L).to(ql_nope.dtype)
 
+
 def output_gate(attn: Tensor, gate: Tensor) -> Tensor:
     """The sigmoid output gate: attn * sigmoid(gate) in fp32, rounded once to attn's dtype."""
     return (attn.float() * torch.sigmoid(gate.float())).to(attn.dtype)
