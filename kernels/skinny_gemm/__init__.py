@@ -216,6 +216,9 @@ def skinny_bmm_gate(x: Tensor, weight: Tensor, gate: Tensor) -> Tensor:
     y = ``bmm(x, W)`` [B, M, N] laid out as [M, B N] (heads side by side), gate [M, B N]."""
     B, M, K = x.shape
     N = weight.shape[2]
+    if weight.shape[:2] != (B, K) or gate.shape != (M, B * N):
+        raise ValueError(f"kimi_kernels.skinny_bmm_gate: x {tuple(x.shape)}, weight {tuple(weight.shape)} and gate "
+                         f"{tuple(gate.shape)} do not match: weight [B, K, N] and gate [M, B N] for x [B, M, K]")
     ours = not choose_bmm_gate(B, M, K, N, x.dtype) if x.is_cuda else INTERPRET and not supported(M, N, K, x.dtype)
     if ours:
         return tl_dot.run_bmm(x, weight, gate if gate.stride(1) == 1 else gate.contiguous())

@@ -113,6 +113,8 @@ def test_per_head_gemm_with_the_output_gate(B, K, N, M):
     check(got, want.float().cpu(), torch.bfloat16)
     if DEVICE == "cuda" and skinny_gemm.choose_bmm_gate(B, M, K, N, x.dtype):
         assert torch.equal(got, output_gate(torch.bmm(x, w).transpose(0, 1).reshape(M, B * N), gate))
+    with pytest.raises(ValueError, match="gate \\[M, B N\\] for x"):
+        torch.ops.kimi_kernels.skinny_bmm_gate(x, w, gate[:, :-8])
 
 
 def test_per_head_gemm_dispatch_names_its_reason():
