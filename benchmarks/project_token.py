@@ -1,5 +1,6 @@
-"""Project the 93-layer Kimi K3 decode token at TP 8 / EP 8 from measured pieces (issue 19,
-item 2). CPU only: reads the committed H200 results, prints the arithmetic.
+"""Project the 93-layer Kimi K3 decode token at TP 8 / EP 8, and at the seed's DCP 8 x EP 32,
+from measured pieces (issue 19, item 2). CPU only: reads the committed H200 results,
+prints the arithmetic.
 
 Per rank and layer, at R rows (q = 1):
 
@@ -28,7 +29,22 @@ sharded_moe (17965bb); ``sharded`` is sharded_moe with its projections on Induct
 before the projection kernels); ``main`` is main now (bf16 experts); ``main_mxfp4`` is
 main now with the released checkpoint's MXFP4 experts.
 
-    python benchmarks/project_token.py [--json X] [--plot PNG]
+DCP 8 x EP 32 (``-tp 8 -dcp 8 -dp 4``: four TP 8 groups of R rows each, the experts over
+all 32 ranks, 28 each), per rank and layer, the same pieces but:
+
+    attention   MLA: + DCP's query all-gather, LSE all-gather and reduce-scatter over heads
+                (intra-node); its core assumed as fast as DCP 1's (the same heads x positions)
+    experts     the slowest of 32 ranks over the 4 R rows of all groups
+    MoE         ``dp_row_shard``: what main runs when DP > 1 (sharded_moe needs the EP group
+                to be the TP group): the row shard, its dispatch all-gather and combine
+                reduce-scatter over the 32 ranks; ``dp_sharded`` (not built): sharded_moe
+                within each TP group, the routed experts' rows all-gathered over the 4 DP
+                peers of a TP index and their fp32 partials reduce-scattered back
+    inter-node  an unmeasured assumption: ``--internode-us`` (default 25: twice the 2-GPU
+                NCCL latency) + the bytes that leave the node at 48 GB/s per GPU (DeepEP
+                V1's published low-latency RDMA bandwidth at EP 32, H800 with CX7 400 Gb/s)
+
+    python benchmarks/project_token.py [--json X] [--plot PNG] [--internode-us 25]
 
 ``--plot``: where a KDA MoE layer's time goes (attention, AttnRes, MoE non-expert,
 experts, collectives) per row count: row shard, sharded (Inductor projections), main.
@@ -46,6 +62,8 @@ import torch
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
 COLLECTIVE_US = {1: 12.6, 8: 12.6, 64: 19.0}  # 2 x H200, rows of 7168 bf16 (all-reduce / -gather / RS mean)
 HBM = 4.28e12
+RDMA = 48e9  # bytes/s per GPU off the node (DeepEP V1 low-latency dispatch at EP 32, published)
+ROW = 7168 * 2  # one bf16 hidden row
 
 
 def _rows(name: str) -> list[dict]:
@@ -79,7 +97,36 @@ def slowest_rank_experts(R: int, experts: int = 896, top_k: int = 16, ranks: int
     return sum(most) / trials
 
 
-def project(R: int) -> dict:
+def internode_us(latency_us: float, rows_off_node: float, row_bytes: int = ROW) -> float:
+    return latency_us + rows_off_node * row_bytes / RDMA * 1e6
+
+
+def dcp8_ep32(R: int, pieces: dict, moe: dict, per_expert: float, per_expert_mxfp4: float,
+              latency_us: float) -> dict:
+    """The token at DCP 8 x EP 32 from the TP 8 pieces (module docstring)."""
+    tp, dp = 8, 4
+    coll = pieces["collective_us"]
+    slowest = slowest_rank_experts(dp * R, ranks=tp * dp)
+    c = -(-R // tp)  # a rank's row shard
+    dispatch = internode_us(latency_us, (tp * dp - tp) * c)  # all-gather over 32 ranks, 24 of them off the node
+    exchanges = {"dp_row_shard": (moe["row_shard"], 2 * dispatch + coll),  # + the output's all-gather in TP
+                 "dp_sharded": (moe["kimi"], internode_us(latency_us, (dp - 1) * R)
+                                + internode_us(latency_us, (dp - 1) * R, 2 * ROW) + 2 * coll)}
+    mla = pieces["mla_attention_us"] + 3 * coll
+    out = dict(slowest_rank_experts=slowest, mla_attention_us=mla, internode_latency_us=latency_us)
+    for name, (nonexpert, moe_coll) in exchanges.items():
+        for suffix, us_per_expert in (("", per_expert), ("_mxfp4", per_expert_mxfp4)):
+            ex = us_per_expert * slowest
+            moe_layer = pieces["attn_res_us"] + nonexpert + ex + coll + moe_coll
+            token = (68 * (pieces["kda_attention_us"] + moe_layer) + 24 * (mla + moe_layer)
+                     + pieces["kda_attention_us"] + pieces["attn_res_us"] + pieces["dense_mlp_us"] + coll)
+            out[name + suffix] = dict(moe_nonexpert_us=nonexpert, experts_us=ex, collectives_us=coll + moe_coll,
+                                      kda_layer_us=pieces["kda_attention_us"] + moe_layer,
+                                      mla_layer_us=mla + moe_layer, token_ms=token / 1e3, tokens_per_s=1e6 / token)
+    return out
+
+
+def project(R: int, internode_latency_us: float = 25.0) -> dict:
     kda = _first(R, "kimi_us", "kda_layer_q1_h200_v11.json", "kda_layer_q1_h200_v10_noprefetch.json",
                  "kda_layer_q1_h200_v10.json", q=1)
     mla = _at(_rows("mla_layer_h200_v8.json"), R, "kimi_us", q=1)
@@ -96,7 +143,7 @@ def project(R: int) -> dict:
     dense_mlp = 3 * 7168 * (18432 // 8) * 2 / HBM * 1e6  # layer 0's TP 8 dense MLP at its byte floor
     out = dict(rows=R, kda_attention_us=kda, mla_attention_us=mla, attn_res_us=attn_res, experts_us=experts,
                slowest_rank_experts=slowest, us_per_expert=per_expert, us_per_expert_mxfp4=per_expert_mxfp4,
-               collective_us=coll)
+               collective_us=coll, dense_mlp_us=dense_mlp)
     for name, layout, moe_collectives, ex_us in (("row_shard", "row_shard", 3, experts),
                                                  ("sharded", "sharded", 2, experts),
                                                  ("main", "kimi", 2, experts),
@@ -107,6 +154,7 @@ def project(R: int) -> dict:
                            kda_layer_us=kda + moe_layer, mla_layer_us=mla + moe_layer,
                            token_ms=token / 1e3, tokens_per_s=1e6 / token)
     out["speedup"] = out["row_shard"]["token_ms"] / out["main"]["token_ms"]
+    out["dcp8_ep32"] = dcp8_ep32(R, out, moe, per_expert, per_expert_mxfp4, internode_latency_us)
     return out
 
 
@@ -139,8 +187,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--json")
     p.add_argument("--plot", help="write the per-layer breakdown plot here")
+    p.add_argument("--internode-us", type=float, default=25.0,
+                   help="DCP 8 x EP 32: the fixed cost of one inter-node collective (assumed, not measured)")
     args = p.parse_args(argv)
-    rows = [project(R) for R in args.rows]
+    rows = [project(R, args.internode_us) for R in args.rows]
     if args.plot:
         plot(rows, args.plot)
     for r in rows:
@@ -153,6 +203,14 @@ def main(argv=None) -> list[dict]:
                   f"MLA layer {v['mla_layer_us']:.1f} us -> token {v['token_ms']:.2f} ms, "
                   f"{v['tokens_per_s']:.1f} tokens/s per user")
         print(f"    main vs row shard: {r['speedup']:.2f}x")
+        d = r["dcp8_ep32"]
+        print(f"    DCP 8 x EP 32 (inter-node collective {d['internode_latency_us']:.1f} us + bytes): "
+              f"{d['slowest_rank_experts']:.1f} experts on the slowest rank, MLA {d['mla_attention_us']:.1f} us")
+        for layout in ("dp_row_shard", "dp_row_shard_mxfp4", "dp_sharded", "dp_sharded_mxfp4"):
+            v = d[layout]
+            print(f"    {layout:18s}: experts {v['experts_us']:.1f}, MoE non-expert {v['moe_nonexpert_us']:.1f}, "
+                  f"collectives {v['collectives_us']:.1f}, KDA layer {v['kda_layer_us']:.1f} us -> token "
+                  f"{v['token_ms']:.2f} ms, {v['tokens_per_s']:.1f} tokens/s per user")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"benchmark": "project_token", "rows": rows}, fh, indent=1)
