@@ -4,6 +4,8 @@
 ``decode(run)`` executes it on the calling rank (the default process group, or a
 single rank when none is initialised) and returns the live rows of every step's
 output, so runs in different layouts, rank counts or compilers can be compared.
+With ``dp`` > 1 the ranks form ``dp`` TP groups of world / dp ranks (data parallel,
+SP layout), each decoding its own batch, the routed experts over all ranks.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class DecodeRun:
     seed: int = 0
     experts: str = "bf16"
     max_num_tokens: int = 8192
-    dcp: int = 1  # decode context parallel size: 1 or the number of ranks
+    dcp: int = 1  # decode context parallel size: 1 or the TP size
+    dp: int = 1  # data-parallel TP groups (SP layout; the routed experts over every rank)
     backend: str | None = None  # None: eager stock; else a torch.compile backend name
     options: dict[str, Any] = field(default_factory=dict)
     dtype: str = "bfloat16"  # or "float32" (exact-equivalence checks)
@@ -46,16 +49,35 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def data_parallel_groups(dp: int) -> tuple[dist.ProcessGroup, int]:
+    """(this rank's TP group, its TP group's index d) for ``dp`` groups of world / dp
+    consecutive ranks; also creates each TP index's group of DP peers (ranks t, G + t,
+    ...: vLLM's DP group), which sharded_moe looks up. Every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if dp < 1 or world % dp:
+        raise ValueError(f"{world} ranks do not split into {dp} data-parallel TP groups")
+    G = world // dp
+    tp_groups = [dist.new_group(list(range(d * G, (d + 1) * G))) for d in range(dp)]
+    for t in range(G):
+        dist.new_group(list(range(t, world, G)))
+    return tp_groups[rank // G], rank // G
+
+
 def decode(run: DecodeRun) -> dict[str, Any]:
     group = dist.group.WORLD if dist.is_initialized() else None
     say = progress if run.progress and (group is None or dist.get_rank() == 0) else (lambda message: None)
-    par = Parallel(run.layout, group, run.max_num_tokens, run.dcp)
+    replica = 0
+    if run.dp > 1:
+        if group is None:
+            raise ValueError(f"dp={run.dp} needs an initialised process group of several ranks")
+        group, replica = data_parallel_groups(run.dp)
+    par = Parallel(run.layout, group, run.max_num_tokens, run.dcp, dist.group.WORLD if run.dp > 1 else None)
     config = KimiK3Config.preset(run.preset)
     say(f"{run.progress}: building the {run.preset} model ({run.layout.upper()} layout, {run.dtype})")
     device = torch.device(run.device, torch.cuda.current_device()) if run.device == "cuda" else run.device
     model = build_model(config, random_checkpoint(config, run.seed, run.experts), par, device=device,
                         dtype=getattr(torch, run.dtype))
-    batch = DecodeBatch(run.requests, run.q, run.padding, config.vocab_size, seed=run.seed + 1)
+    batch = DecodeBatch(run.requests, run.q, run.padding, config.vocab_size, seed=run.seed + 1 + 1000 * replica)
     caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, batch.q, device=device)
     timings = _time_layers(model) if run.layer_timings else None
     step_fn = model

@@ -11,11 +11,13 @@ SP gather   ``all_gather(x)[:rows]``      (rows = the step's T; drops SP pad row
 SP scatter  ``reduce_scatter(pad(y))``    (pad rows to a multiple of G; may be absent)
 all-reduce  ``all_reduce(y)``
 
-A rewrite emits a collective in the spelling of the one it replaces.
+A rewrite emits a collective in the spelling of the one it replaces (``over``: in that
+spelling, over another group).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +83,11 @@ class Collective:
         return self.bindings["group_name"]
 
 
+def over(like: Collective, group_name: str, group_size: int) -> Collective:
+    """``like``'s spelling over another group (to emit collectives there)."""
+    return dataclasses.replace(like, bindings={**like.bindings, "group_name": group_name, "group_size": group_size})
+
+
 def _chain_nodes(out: fx.Node, bound) -> list[fx.Node]:
     """The matched nodes: ``out`` and its producers down to the bound input."""
     stop = {b for b in bound if isinstance(b, fx.Node)}
@@ -133,8 +140,18 @@ def emit_all_reduce(graph: fx.Graph, after: fx.Node, y: fx.Node, like: Collectiv
     return collective_spelling(like.spelling).emit_all_reduce(graph, after, y, like)
 
 
+def emit_all_gather(graph: fx.Graph, after: fx.Node, x: fx.Node, like: Collective) -> fx.Node:
+    """``all_gather(x)`` along dim 0 in the spelling (and group) of ``like``."""
+    return collective_spelling(like.spelling).emit_all_gather(graph, after, x, like)
+
+
+def emit_reduce_scatter(graph: fx.Graph, after: fx.Node, y: fx.Node, like: Collective) -> fx.Node:
+    """``reduce_scatter(y)`` (sum, this rank's 1/G of the rows) in the spelling of ``like``."""
+    return collective_spelling(like.spelling).emit_reduce_scatter(graph, after, y, like)
+
+
 def emit_sp_gather(graph: fx.Graph, after: fx.Node, x: fx.Node, rows: Any, like: Collective) -> fx.Node:
     """``all_gather(x)[:rows]`` in the spelling of ``like``, inserted after ``after``."""
-    gathered = collective_spelling(like.spelling).emit_all_gather(graph, after, x, like)
+    gathered = emit_all_gather(graph, after, x, like)
     with graph.inserting_after(gathered):
         return graph.call_function(aten.slice.Tensor, (gathered, 0, 0, rows))

@@ -142,6 +142,7 @@ class CollectiveSpelling:
     all_reduces: Callable[[], list]  # all_reduce(y)
     emit_all_reduce: Callable[[fx.Graph, fx.Node, fx.Node, Any], fx.Node]  # (g, after, y, like) -> out
     emit_all_gather: Callable[[fx.Graph, fx.Node, fx.Node, Any], fx.Node]  # (g, after, x, like) -> out [G c]
+    emit_reduce_scatter: Callable[[fx.Graph, fx.Node, fx.Node, Any], fx.Node]  # (g, after, y [G c], like) -> [c]
     ops: Callable[[], dict[Any, str]]  # op -> all_reduce | all_gather | reduce_scatter (for counting)
     complete: Callable[[str, fx.Node, dict], None] | None = None  # fills what a match could not bind
 

@@ -43,6 +43,17 @@ way); a GEMM over a column block of the shared width or the latent is a partial 
 all-reduce completes (bf16 partials, as stock's TP layout sums its shared expert).
 Padding rows are routed nowhere (expert id -1), as before.
 
+Data parallelism (vLLM's ``-dp N`` with EP: the experts' EP group is N TP groups of G
+ranks, EP rank d G + t being rank t of TP group d): the routed experts see every
+group's rows. Before them, each rank all-gathers from its DP peers (EP ranks t, G + t,
+...: a group the deployment made, vLLM's DP group; none is created here) their T rows'
+latent, weights and global expert ids in one fp32 message [N T, L + 2 k]; after them,
+the fp32 partial [N T, L] is reduce-scattered back over the peers to the group's T rows,
+then all-reduced in the TP group as above: the sum over all N G ranks' experts, each
+row's own. Two collectives over the peers per layer in place of the EP exchange's two
+over all N G ranks. Without the peers' group, or with an EP group that is not whole TP
+groups in that order, the layer keeps the row shard with the reason.
+
 vLLM's MoE layer op ``(s, y) = moe(z, logits, x, name)`` (``vllm.moe_forward_shared``,
 or ``kimi_vllm.mega_moe`` in its place) holds the top-k, shared and routed experts; its
 router GEMM, latent down-projection, norm and up-projection are in the graph. The same
@@ -188,19 +199,44 @@ def _match(layer: Layer) -> "SimpleNamespace | str":
     mask_all = _rows_of(mask, x.meta["val"].shape[0])
     if mask_all is None:
         return "the padding mask is not a slice of the step's padding mask"
-    group = E.arg("group_name")
-    pg = dist.distributed_c10d._resolve_process_group(group)
-    G, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    tp = dist.distributed_c10d._resolve_process_group(layer.reduce.group_name)
+    G, rank = dist.get_world_size(tp), dist.get_rank(tp)
+    peers = _dp_peers(dist.distributed_c10d._resolve_process_group(E.arg("group_name")), tp)
+    if isinstance(peers, str):
+        return peers
     D, L = gu.meta["val"].shape[1] // 2, normed.meta["val"].shape[1]
     if D % G or L % G:
         return f"shared width {D} or latent {L} does not split over {G} ranks"
     why = row_local.reason(region, shard, sink=gather.nodes[-1], also=(pad,))
     if why:
         return f"not proven row-local: {why}"
-    summary = _summary(x, G, "shared experts", "")
+    summary = _summary(x, G, "shared experts", "", peers)
     return SimpleNamespace(E=E, shard=shard, x=x, full=full, gather=gather, pre=pre, normed=normed, w_up=w_up,
-                 h=h, w_down_shared=w_down_shared, gu=gu, halves=halves, w_gu=gate_up[1], weights=weights,
-                 ids=ids, pad=pad, mask_all=mask_all, mxfp4=E.arg("w13_scale") is not None, region=region, G=G, rank=rank, D=D, L=L, summary=summary)
+                           h=h, w_down_shared=w_down_shared, gu=gu, halves=halves, w_gu=gate_up[1], weights=weights,
+                           ids=ids, pad=pad, mask_all=mask_all, mxfp4=E.arg("w13_scale") is not None, region=region,
+                           G=G, rank=rank, D=D, L=L, peers=peers, summary=summary)
+
+
+def _dp_peers(ep: dist.ProcessGroup, tp: dist.ProcessGroup) -> "dist.ProcessGroup | str | None":
+    """The group of this rank's data-parallel peers when the experts' EP group is larger
+    than the TP group (None when they are the same ranks in the same order), or why the
+    layer keeps the row shard. Expected layout (vLLM's): EP rank d G + t is rank t of TP
+    group d; the peers are EP ranks t, G + t, ... in that order, a group the deployment
+    made (vLLM's DP group; ``harness.data_parallel_groups``): this pass creates none."""
+    G, t, P, e = tp.size(), tp.rank(), ep.size(), ep.rank()
+    d = e // G
+    if P % G or e % G != t or [dist.get_global_rank(ep, d * G + i) for i in range(G)] != \
+            dist.get_process_group_ranks(tp):
+        return (f"the experts' EP group ({P} ranks, this rank {e}) is not whole TP groups of {G} one after "
+                f"another with this rank at d x {G} + its TP rank {t}")
+    if P == G:
+        return None
+    want = [dist.get_global_rank(ep, j * G + t) for j in range(P // G)]
+    for pg in dist.distributed_c10d._world.pg_group_ranks:
+        if isinstance(pg, dist.ProcessGroup) and pg.size() == len(want) and [dist.get_global_rank(pg, i) for i in range(pg.size())] == want:
+            return pg
+    return (f"data parallel: no process group of this rank's DP peers (global ranks {want}) exists; create it "
+            "before compiling (vLLM's DP group is it)")
 
 
 def _tail(pre: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
@@ -259,14 +295,16 @@ def _match_layer_op(layer: Layer, E: OpCall, shard: fx.Node, x: fx.Node, gather,
         return f"not proven row-local: {why}"
     return SimpleNamespace(layer_op=True, E=E, shard=shard, x=x, gather=gather, pre=pre, normed=normed, w_up=w_up,
                            outs=outs, region=region, G=G, rank=rank, L=L,
-                           summary=_summary(x, G, "vLLM's shared experts", ", kimi_vllm.sharded_moe"))
+                           peers=None, summary=_summary(x, G, "vLLM's shared experts", ", kimi_vllm.sharded_moe"))
 
 
-def _summary(x: fx.Node, G: int, shared: str, how: str) -> str:
+def _summary(x: fx.Node, G: int, shared: str, how: str, peers: "dist.ProcessGroup | None" = None) -> str:
     """The layer's ``moe_layout`` note."""
+    dp = "" if peers is None else (f"; data parallel: the rows of all {peers.size()} TP groups gathered for the "
+                                   "routed experts, their fp32 partials reduce-scattered back")
     return (f"all {x.meta['val'].shape[0]} rows on every rank: {shared} and latent up-projection TP-sharded "
             f"(1/{G} of their weights{how}), router and latent down replicated; routed experts summed over the "
-            "ranks (fp32 all-reduce); one all-reduce in place of the all-gather")
+            f"ranks (fp32 all-reduce){dp}; one all-reduce in place of the all-gather")
 
 
 def _halves(gu: fx.Node) -> list[fx.Node] | None:
@@ -344,6 +382,25 @@ def _rewrite_layer_op(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleName
     _finish(g, layer, p, shared, [*p.outs.values(), E])
 
 
+def _from_peers(g: fx.Graph, before: fx.Node, peers, nodes: tuple, like: tuple) -> tuple[fx.Node, ...]:
+    """``nodes`` (latent [T, L], weights [T, k], ids [T, k]; shaped and typed as ``like``'s
+    values) of every DP peer's T rows ([P T, .], peer order), in one all-gather of their
+    fp32 concatenation (exact: bf16 latents, fp32 weights, ids below 2^24)."""
+    vals = [n.meta["val"] for n in like]
+    widths = [v.shape[1] for v in vals]
+    with g.inserting_before(before):
+        packed = g.call_function(aten.cat.default, ([g.call_function(
+            prims.convert_element_type.default, (n, torch.float32)) for n in nodes], 1))
+    gathered = collectives.emit_all_gather(g, packed, packed, peers)
+    out, start = [], 0
+    with g.inserting_before(before):
+        for v, width in zip(vals, widths):
+            part = g.call_function(aten.slice.Tensor, (gathered, 1, start, start + width))
+            out.append(g.call_function(prims.convert_element_type.default, (part, v.dtype)))
+            start += width
+    return tuple(out)
+
+
 def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) -> None:
     if getattr(p, "layer_op", False):
         return _rewrite_layer_op(g, dg, layer, p)
@@ -354,14 +411,20 @@ def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) ->
     # routed experts: this rank's experts on every row, summed over the ranks in fp32
     E, first = p.E, p.E.arg("first_expert")
     scales = () if E.arg("w13_scale") is None else (E.arg("w13_scale"), E.arg("w2_scale"))
+    latent, weights, ids = E.arg("latent"), p.weights, p.ids
+    with g.inserting_before(E.node):  # padding rows routed nowhere (-1)
+        ids = _fill_rows(g, ids, g.call_function(aten.unsqueeze.default, (p.mask_all, 1)), -1)
+    if p.peers is not None:  # every DP peer's rows, their global expert ids
+        peers = collectives.over(like, p.peers.group_name, p.peers.size())
+        latent, weights, ids = _from_peers(g, E.node, peers, (latent, weights, ids), (latent, weights, p.ids))
+    if first:  # local expert ids (padding rows and other ranks' experts out of [0, local))
+        with g.inserting_before(E.node):
+            ids = g.call_function(aten.sub.Tensor, (ids, first))
     with g.inserting_before(E.node):
-        pad = g.call_function(aten.unsqueeze.default, (p.mask_all, 1))
-        local = g.call_function(aten.sub.Tensor, (p.ids, first)) if first else p.ids
-        local.meta.setdefault("val", p.ids.meta["val"])  # _fill_rows reads the dtype and device
-        ids = _fill_rows(g, local, pad, -1)
         partial = g.call_function(kk.expert_ffn.default, (
-            E.arg("latent"), p.weights, ids, E.arg("w13"), E.arg("w2"), E.arg("beta"), E.arg("linear_beta"),
-            *scales))
+            latent, weights, ids, E.arg("w13"), E.arg("w2"), E.arg("beta"), E.arg("linear_beta"), *scales))
+    if p.peers is not None:  # this TP group's rows, summed over the peers' experts
+        partial = collectives.emit_reduce_scatter(g, partial, partial, peers)
     summed = collectives.emit_all_reduce(g, partial, partial, like)
     with g.inserting_after(summed):
         routed = g.call_function(prims.convert_element_type.default, (summed, E.node.meta["val"].dtype))

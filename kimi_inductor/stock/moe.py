@@ -13,8 +13,9 @@ Routed experts, by layout:
   tp  ``kimi::fused_experts``: every expert on this rank's 1/G of the expert FFN
       width (padded to ``min_moe_intermediate_per_partition``, as vLLM pads without
       EP); y and the TP-sharded shared expert are partials, each all-reduced.
-  sp  ``kimi::ep_experts``: MegaMoE's contract. Experts are partitioned over the
-      group (experts e in [rank E/G, (rank+1) E/G) live here); the op sends each
+  sp  ``kimi::ep_experts``: MegaMoE's contract. Experts are partitioned over the EP
+      group of P ranks (the TP group, or with data parallelism every TP group's ranks:
+      experts e in [ep_rank E/P, (ep_rank+1) E/P) live here); the op sends each
       token to the ranks owning its experts, runs them and combines the weighted
       outputs back on the token's rank. Rows flagged in ``is_padding`` are not
       routed (zero output); more than ``max_num_tokens`` rows raise ``ValueError``.
@@ -168,8 +169,10 @@ class KimiMoE(nn.Module):
         self.shared_experts = KimiMLP(config, shared, par, not par.sequence_parallel, device)
         self.experts = nn.Module()
         if par.sequence_parallel:
-            local, width = par.shard(E, "experts"), config.moe_intermediate_size
-            self.experts.first_expert = par.rank * local
+            if E % par.ep_size:
+                raise ValueError(f"experts {E} are not divisible by the EP size {par.ep_size}")
+            local, width = E // par.ep_size, config.moe_intermediate_size
+            self.experts.first_expert = par.ep_rank * local
         else:
             local = E
             width = par.shard(config.moe_intermediate_size, "expert FFN width")
@@ -222,7 +225,7 @@ class KimiMoE(nn.Module):
         if self.par.sequence_parallel:
             routed = torch.ops.kimi.ep_experts(
                 latent, weights, ids, is_padding, w13, w2, self.experts.first_expert,
-                self.par.group_name, self.par.max_num_tokens, self.beta, self.linear_beta, *scales)
+                self.par.experts_group.group_name, self.par.max_num_tokens, self.beta, self.linear_beta, *scales)
             shared = self.shared_experts(x)
         else:
             routed = all_reduce(

@@ -39,17 +39,27 @@ class Parallel:
     ``max_num_tokens`` is the per-rank row capacity of the expert-parallel MoE
     exchange (MegaMoE's symmetric buffer, vLLM's ``max_num_batched_tokens``).
     ``dcp`` is the decode context parallel size: 1, or G (the MLA/DSA latent cache
-    sharded over the same ranks, ``mla.py``).
+    sharded over the same ranks, ``mla.py``). ``ep_group``: the routed experts' group
+    under SP when it is larger than the TP group (data parallelism); None: the TP group.
     """
 
     layout: Layout = "tp"
     group: dist.ProcessGroup | None = None
     max_num_tokens: int = 8192
     dcp: int = 1
+    ep_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("tp", "sp"):
             raise ValueError(f"layout must be 'tp' or 'sp', got {self.layout!r}")
+        if self.ep_group is not None:
+            if self.layout != "sp" or self.size == 1:
+                raise ValueError("an expert-parallel group larger than the TP group (data parallelism) needs the "
+                                 "SP layout with TP > 1 in this replica (the TP layout shards every expert over the TP group)")
+            ep_size, ep_rank = dist.get_world_size(self.ep_group), dist.get_rank(self.ep_group)
+            if ep_size % self.size or ep_rank % self.size != self.rank:
+                raise ValueError(f"EP rank {ep_rank} of {ep_size} is not d x {self.size} + its TP rank {self.rank}: "
+                                 "the EP group must be the data-parallel TP groups one after another")
         if self.dcp not in (1, self.size):
             raise ValueError(f"decode context parallel size must be 1 or the TP size {self.size}, got {self.dcp} "
                              f"(vLLM runs DCP over the TP ranks)")
@@ -70,6 +80,19 @@ class Parallel:
     @property
     def group_name(self) -> str:
         return "" if self.group is None else self.group.group_name
+
+    @property
+    def experts_group(self) -> dist.ProcessGroup | None:
+        """The group the routed experts are partitioned over under SP."""
+        return self.group if self.ep_group is None else self.ep_group
+
+    @property
+    def ep_size(self) -> int:
+        return self.size if self.ep_group is None else dist.get_world_size(self.ep_group)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank if self.ep_group is None else dist.get_rank(self.ep_group)
 
     def shard(self, n: int, what: str = "dimension") -> int:
         """``n / G``, refusing sizes the group does not divide."""

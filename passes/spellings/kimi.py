@@ -88,6 +88,12 @@ def _emit_all_gather(g: fx.Graph, after: fx.Node, x: fx.Node, like) -> fx.Node:
                              (c10d.wait_tensor.default, lambda ag: (ag,))])
 
 
+def _emit_reduce_scatter(g: fx.Graph, after: fx.Node, y: fx.Node, like) -> fx.Node:
+    size = like.bindings["group_size"]
+    return _chain(g, after, [(c10d.reduce_scatter_tensor.default, lambda _: (y, "sum", size, like.group_name)),
+                             (c10d.wait_tensor.default, lambda rs: (rs,))])
+
+
 def _complete(kind: str, out: fx.Node, bindings: dict) -> None:
     """An all-reduce names only its group: its size from c10d's group of that name (left
     out where this process has no such group)."""
@@ -107,6 +113,7 @@ COLLECTIVES = CollectiveSpelling(
                                             KeywordArg("group_name")))],
     emit_all_reduce=_emit_all_reduce,
     emit_all_gather=_emit_all_gather,
+    emit_reduce_scatter=_emit_reduce_scatter,
     ops=lambda: {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
                  c10d.reduce_scatter_tensor.default: "reduce_scatter"},
     complete=_complete,

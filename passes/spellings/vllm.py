@@ -195,6 +195,8 @@ COLLECTIVES = CollectiveSpelling(
     emit_all_reduce=lambda g, after, y, like: _emit(g, after, "all_reduce", (y, like.group_name)),
     emit_all_gather=lambda g, after, x, like: _emit(
         g, after, "all_gather", (x, 0, like.bindings["group_size"], like.group_name)),
+    emit_reduce_scatter=lambda g, after, y, like: _emit(
+        g, after, "reduce_scatter", (y, 0, like.bindings["group_size"], like.group_name)),
     ops=lambda: {op: name for name, op in (*((n, _vllm(n)) for n in ("all_reduce", "all_gather", "reduce_scatter")),
                                           ("all_gather", _custom_ar("custom_all_gather")),
                                           ("reduce_scatter", _custom_ar("custom_reduce_scatter")),
