@@ -35,11 +35,11 @@ all 32 ranks, 28 each), per rank and layer, the same pieces but:
     attention   MLA: + DCP's query all-gather, LSE all-gather and reduce-scatter over heads
                 (intra-node); its core assumed as fast as DCP 1's (the same heads x positions)
     experts     the slowest of 32 ranks over the 4 R rows of all groups
-    MoE         ``dp_row_shard``: what main runs when DP > 1 (sharded_moe needs the EP group
-                to be the TP group): the row shard, its dispatch all-gather and combine
-                reduce-scatter over the 32 ranks; ``dp_sharded`` (not built): sharded_moe
-                within each TP group, the routed experts' rows all-gathered over the 4 DP
-                peers of a TP index and their fp32 partials reduce-scattered back
+    MoE         ``dp_row_shard``: the row shard (vLLM's graph at DP > 1), its dispatch
+                all-gather and combine reduce-scatter over the 32 ranks; ``dp_sharded``:
+                sharded_moe's DP form, within each TP group, the routed experts' rows
+                all-gathered over the 4 DP peers of a TP index and their fp32 partials
+                reduce-scattered back
     inter-node  an unmeasured assumption: ``--internode-us`` (default 25: twice the 2-GPU
                 NCCL latency) + the bytes that leave the node at 48 GB/s per GPU (DeepEP
                 V1's published low-latency RDMA bandwidth at EP 32, H800 with CX7 400 Gb/s)

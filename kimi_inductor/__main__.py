@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
                    help="after our passes: run the graph as is, or generate code with Inductor")
     d.add_argument("--dcp", type=POSITIVE, default=1, help="decode context parallel size: 1 or --ranks")
+    d.add_argument("--dp", type=POSITIVE, default=1,
+                   help="data-parallel TP groups of --ranks ranks each (--ranks x --dp processes), decoding their "
+                        "own requests, the routed experts over all of them (vLLM's -dp with expert parallelism)")
     d.add_argument("--json", dest="json_path", help="write the result as JSON here")
     d.set_defaults(subparser=d)
 
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo" and args.dcp not in (1, args.ranks):
         args.subparser.error(f"argument --dcp: must be 1 or --ranks ({args.ranks}), got {args.dcp}")
+    if args.command == "demo" and args.dp > 1 and args.ranks == 1:
+        args.subparser.error("argument --dp: needs --ranks >= 2 (the stock decoder's SP layout, where the experts "
+                             "are expert-parallel, needs a TP group of several ranks)")
     if args.command == "explain" and args.vllm:
         from importlib.util import find_spec
 
@@ -144,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         from .demo import demo, format_demo
 
         result = demo(args.preset, args.ranks, args.q, args.steps, args.requests, args.padding, args.dtype,
-                      args.compiler, args.dcp, args.json_path, progress=True)
+                      args.compiler, args.dcp, args.dp, args.json_path, progress=True)
         print(format_demo(result))
         return 0 if result["agree"] else 1
 

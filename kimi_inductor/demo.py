@@ -2,7 +2,8 @@
 ``kimi_specialized``, with its match report and an equality check against stock.
 
 On every rank (gloo, spawned for the user) the same random checkpoint decodes the
-same steps twice: the stock decoder in SP layout (eager, per-layer timings) and the
+same steps twice (with ``dp`` > 1, ``dp`` TP groups of ``ranks`` ranks each decode their
+own requests and share the routed experts; the report and the check are TP group 0's): the stock decoder in SP layout (eager, per-layer timings) and the
 decoder compiled by ``kimi_specialized``. The outputs must agree (docs/testing.md):
   * bitwise, in bf16, with the eager compiler, when the rewrite's all-reduce sums the
     o-projection partials in the order stock's reduce-scatter does (gloo: G = 2, or T a
@@ -27,11 +28,11 @@ from .passes.report import LayerReport
 
 
 def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, requests: int = 3, padding: int = 1,
-         dtype: str = "bfloat16", compiler: str = "eager", dcp: int = 1, json_path: str | None = None,
+         dtype: str = "bfloat16", compiler: str = "eager", dcp: int = 1, dp: int = 1, json_path: str | None = None,
          progress: bool = False) -> dict[str, Any]:
     """``progress``: rank 0 prints each run's steps (and the compile) on stderr."""
     stock = DecodeRun(preset=preset, layout="sp", q=q, steps=steps, requests=requests, padding=padding,
-                      dtype=dtype, dcp=dcp, layer_timings=True, progress=f"stock SP {dtype}" if progress else "")
+                      dtype=dtype, dcp=dcp, dp=dp, layer_timings=True, progress=f"stock SP {dtype}" if progress else "")
     compiled = dataclasses.replace(stock, layer_timings=False, backend="kimi_specialized",
                                    options={"compiler": compiler}, progress="kimi_specialized" if progress else "")
     rows = (requests + padding) * q
@@ -43,10 +44,11 @@ def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, reque
     if dtype == "bfloat16" and not bitwise:
         runs.append(dataclasses.replace(stock, dtype="float32", layer_timings=False,
                                         progress="stock SP float32 (the bf16 band's reference)" if progress else ""))
+    world = ranks * dp
     if progress:
-        say(f"demo: {len(runs)} runs of {steps} steps ({rows} rows) on {ranks} CPU rank{'s' if ranks > 1 else ''}"
-            f"{' (spawning gloo processes)' if ranks > 1 else ''}")
-    results = run_ranks(decode_many, ranks, runs) if ranks > 1 else [decode_many(runs)]
+        say(f"demo: {len(runs)} runs of {steps} steps ({rows} rows) on {world} CPU rank{'s' if world > 1 else ''}"
+            f"{f' ({dp} TP groups of {ranks})' if dp > 1 else ''}{' (spawning gloo processes)' if world > 1 else ''}")
+    results = run_ranks(decode_many, world, runs) if world > 1 else [decode_many(runs)]
     ref, out = results[0][0], results[0][1]
     diff = float((out["outputs"] - ref["outputs"]).abs().max())
     scale = float(ref["outputs"].abs().max())
@@ -69,12 +71,12 @@ def demo(preset: str = "tiny", ranks: int = 2, q: int = 4, steps: int = 8, reque
                                                "reason", "notes")},
                        "shapes": info["shapes"], "stock_ms": 1e3 * t[len(t) // 2]})
     result = {
-        "preset": preset, "ranks": ranks, "dcp": dcp, "q": q, "steps": steps, "rows": rows, "dtype": dtype,
+        "preset": preset, "ranks": ranks, "dp": dp, "dcp": dcp, "q": q, "steps": steps, "rows": rows, "dtype": dtype,
         "compiler": compiler, "layers": layers,
         "collectives_stock": report["collectives_before"], "collectives_compiled": report["collectives_after"],
         "max_abs_diff": diff, "measured": measured, "value": value, "tolerance": tolerance,
         "tolerance_rule": rule, "agree": value <= tolerance,
-        "all_ranks_identical": all(bool((r[1]["outputs"] == out["outputs"]).all()) for r in results),
+        "all_ranks_identical": all(bool((r[1]["outputs"] == out["outputs"]).all()) for r in results[:ranks]),
         # the first step of each run is its warm-up (and the compile): left out of both
         "step_ms": {"stock": _median_ms(ref["seconds"][1:]), "compiled": _median_ms(out["seconds"][1:])},
     }
@@ -95,6 +97,8 @@ def _median_row_error(x, ref) -> float:
 
 def format_demo(r: dict[str, Any]) -> str:
     ranks = f"{r['ranks']} CPU ranks (gloo)" if r["ranks"] > 1 else "1 CPU rank"
+    if r.get("dp", 1) > 1:
+        ranks = f"DP {r['dp']} x {ranks}, the routed experts over all {r['dp'] * r['ranks']}; TP group 0's"
     lines = [f"kimi_specialized on the {r['preset']} Kimi K3 decoder: {ranks}, "
              f"DCP {r['dcp']}, {r['rows']} rows (q={r['q']}), {r['steps']} steps, {r['dtype']}, "
              f"{r['compiler']} compiler",

@@ -200,6 +200,8 @@ def test_help_shows_a_line_and_the_default_per_flag():
     (["demo", "--q", "9"], r"argument --q: must be in 1..8, got 9"),
     (["demo", "--ranks", "two"], "argument --ranks: expected an integer, got 'two'"),
     (["demo", "--ranks", "2", "--dcp", "4"], r"argument --dcp: must be 1 or --ranks \(2\), got 4"),
+    (["demo", "--ranks", "1", "--dp", "2"], "argument --dp: needs --ranks >= 2"),
+    (["demo", "--dp", "0"], "argument --dp: must be >= 1, got 0"),
     (["explain", "--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
     (["explain", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
     (["explain", "--preset", "tiny", "--layer", "9"], "argument --layer: the tiny preset has layers 0..8, got 9"),
