@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model preset")
     e.add_argument("--layout", default="sp", choices=["sp", "tp"], help="the stock decoder's layout")
     e.add_argument("--ranks", type=POSITIVE, default=4, help="TP group size G (a fake process group)")
+    e.add_argument("--dp", type=POSITIVE, default=1,
+                   help="data-parallel TP groups sharing the experts (a fake world of --ranks x --dp)")
     e.add_argument("--q", type=Q, default=1, help="tokens per request (1 + speculative tokens), 1..8")
     e.add_argument("--requests", type=POSITIVE, default=8, help="requests in the step")
     e.add_argument("--layer", type=COUNT, help="also print this layer's region before the passes and after each")
@@ -99,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo" and args.dcp not in (1, args.ranks):
         args.subparser.error(f"argument --dcp: must be 1 or --ranks ({args.ranks}), got {args.dcp}")
-    if args.command == "demo" and args.dp > 1 and args.ranks == 1:
-        args.subparser.error("argument --dp: needs --ranks >= 2 (the stock decoder's SP layout, where the experts "
-                             "are expert-parallel, needs a TP group of several ranks)")
+    if args.command in ("demo", "explain") and args.dp > 1 and (args.ranks == 1 or getattr(args, "layout", "sp") != "sp"
+                                                               or getattr(args, "vllm", False)):
+        args.subparser.error("argument --dp: needs --ranks >= 2 in the SP layout, without --vllm (the stock "
+                             "decoder's experts are expert-parallel only there; vLLM's DP is not captured)")
     if args.command == "explain" and args.vllm:
         from importlib.util import find_spec
 
@@ -169,7 +172,7 @@ def _run(args: argparse.Namespace) -> int:
                                        progress=progress)
     else:
         report, regions = explain(args.preset, args.layout, args.ranks, args.q, args.requests,
-                                  layer=args.layer, part=args.part, progress=progress)
+                                  layer=args.layer, part=args.part, progress=progress, dp=args.dp)
     print(report.format())
     for stage, text in regions.items():
         print(f"\nlayer {args.layer} {args.part}, {'before the passes' if stage == 'before' else 'after ' + stage}:"

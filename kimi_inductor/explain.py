@@ -24,6 +24,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.compile_fx import compile_fx
 
 from .config import Options
+from .harness import data_parallel_groups
 from .passes.manager import KimiPasses
 from .passes.report import MatchReport
 from .passes.snapshot import region_text
@@ -80,21 +81,25 @@ def explain_vllm(ranks: int = 2, layers: int | None = None, requests: int = 2, p
 
 def explain(preset: str = "tiny", layout: str = "sp", ranks: int = 4, q: int = 1, requests: int = 8,
             rank: int = 0, layer: int | None = None, part: str = "attention",
-            options: dict[str, Any] | None = None,
-            progress: Callable[[str], None] | None = None) -> tuple[MatchReport, dict[str, str]]:
+            options: dict[str, Any] | None = None, progress: Callable[[str], None] | None = None,
+            dp: int = 1) -> tuple[MatchReport, dict[str, str]]:
     """(report, regions): ``layer``'s ``part`` as the passes found it (``"before"``) and
     after each pass that ran (keyed by the pass name); empty without ``layer``.
-    ``progress`` gets a line per stage (model, capture, each pass)."""
+    ``progress`` gets a line per stage (model, capture, each pass). ``dp``: TP groups
+    of ``ranks`` sharing the experts (rank ``rank`` of ranks x dp)."""
     say = progress or (lambda message: None)
     if dist.is_initialized():
         raise RuntimeError("explain uses its own fake process group; call it outside a distributed job")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks * dp)
     try:
         config = KimiK3Config.preset(preset)
         say(f"explain: the {preset} decoder ({config.num_hidden_layers} layers, {layout.upper()} layout) on the meta "
-            f"device, a fake process group of {ranks}, {requests} requests x q = {q}")
-        model = KimiLinearForCausalLM(config, Parallel(layout, dist.group.WORLD if ranks > 1 else None),
-                                      device="meta")
+            f"device, a fake process group of {ranks}{f' x DP {dp}' if dp > 1 else ''}, {requests} requests x q = {q}")
+        group = dist.group.WORLD if ranks > 1 else None
+        if dp > 1:
+            group = data_parallel_groups(dp)[0]
+        par = Parallel(layout, group, ep_group=dist.group.WORLD if dp > 1 else None)
+        model = KimiLinearForCausalLM(config, par, device="meta")
         batch = DecodeBatch(requests, q, 0, config.vocab_size, max_context=64)
         caches = model.allocate_caches(batch.num_slots, batch.num_blocks, batch.block_size, q, device="meta")
         regions: dict[str, str] = {}

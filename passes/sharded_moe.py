@@ -421,17 +421,17 @@ def _rewrite(g: fx.Graph, dg: DecoderGraph, layer: Layer, p: SimpleNamespace) ->
         with g.inserting_before(E.node):
             ids = g.call_function(aten.sub.Tensor, (ids, first))
     with g.inserting_before(E.node):
-        partial = g.call_function(kk.expert_ffn.default, (
+        ffn = partial = g.call_function(kk.expert_ffn.default, (
             latent, weights, ids, E.arg("w13"), E.arg("w2"), E.arg("beta"), E.arg("linear_beta"), *scales))
     if p.peers is not None:  # this TP group's rows, summed over the peers' experts
-        partial = collectives.emit_reduce_scatter(g, partial, partial, peers)
+        partial = collectives.emit_reduce_scatter(g, ffn, ffn, peers)
     summed = collectives.emit_all_reduce(g, partial, partial, like)
     with g.inserting_after(summed):
         routed = g.call_function(prims.convert_element_type.default, (summed, E.node.meta["val"].dtype))
     E.node.replace_all_uses_with(routed)
     dead = E.node.all_input_nodes
     g.erase_node(E.node)
-    dg.replaced(E.node, partial)
+    dg.replaced(E.node, ffn)
 
     # shared experts and latent up-projection: this rank's column blocks, partial sums
     D, r = p.D // p.G, p.rank

@@ -56,6 +56,9 @@ def test_sharded_moe_gathers_the_dp_peers_rows_for_the_routed_experts(fake_world
     assert lines.index(gather) < lines.index(ffn) < lines.index(scatter)
     peers_name = gather.split("'")[1]
     assert f"'{peers_name}')" in scatter and "kimi_kernels.mega_moe" not in moe_text
+    # lower_kernels still runs the layer's projections in two launches (the latent reaches the experts via the gather)
+    assert all("mlp: router + top-k + latent down + shared gate/up SiTU (one launch) x1, shared down + up "
+               "(one GEMM) x1" in l.notes["kernels"] for l in moe), [l.notes["kernels"] for l in moe]
 
 
 def test_without_a_group_of_dp_peers_the_row_shard_is_kept(fake_world):
