@@ -182,6 +182,14 @@ def plot(rows: list[dict], png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def _print_layouts(r: dict, layouts: tuple[str, ...]) -> None:
+    for layout in layouts:
+        v = r[layout]
+        print(f"    {layout:18s}: experts {v['experts_us']:.1f}, MoE non-expert {v['moe_nonexpert_us']:.1f}, "
+              f"collectives {v['collectives_us']:.1f}, KDA layer {v['kda_layer_us']:.1f}, MLA layer "
+              f"{v['mla_layer_us']:.1f} us -> token {v['token_ms']:.2f} ms, {v['tokens_per_s']:.1f} tokens/s per user")
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
@@ -197,20 +205,12 @@ def main(argv=None) -> list[dict]:
         print(f"R={r['rows']:3d}: attention KDA {r['kda_attention_us']:.1f} / MLA {r['mla_attention_us']:.1f}, "
               f"AttnRes {r['attn_res_us']:.1f}, experts {r['experts_us']:.1f} ({r['slowest_rank_experts']:.1f} on "
               f"the slowest rank x {r['us_per_expert']:.1f}), collective {r['collective_us']:.1f} us")
-        for layout in ("row_shard", "sharded", "main", "main_mxfp4"):
-            v = r[layout]
-            print(f"    {layout:13s}: experts {v['experts_us']:.1f}, MoE non-expert {v['moe_nonexpert_us']:.1f}, KDA layer {v['kda_layer_us']:.1f}, "
-                  f"MLA layer {v['mla_layer_us']:.1f} us -> token {v['token_ms']:.2f} ms, "
-                  f"{v['tokens_per_s']:.1f} tokens/s per user")
+        _print_layouts(r, ("row_shard", "sharded", "main", "main_mxfp4"))
         print(f"    main vs row shard: {r['speedup']:.2f}x")
         d = r["dcp8_ep32"]
         print(f"    DCP 8 x EP 32 (inter-node collective {d['internode_latency_us']:.1f} us + bytes): "
               f"{d['slowest_rank_experts']:.1f} experts on the slowest rank, MLA {d['mla_attention_us']:.1f} us")
-        for layout in ("dp_row_shard", "dp_row_shard_mxfp4", "dp_sharded", "dp_sharded_mxfp4"):
-            v = d[layout]
-            print(f"    {layout:18s}: experts {v['experts_us']:.1f}, MoE non-expert {v['moe_nonexpert_us']:.1f}, "
-                  f"collectives {v['collectives_us']:.1f}, KDA layer {v['kda_layer_us']:.1f} us -> token "
-                  f"{v['token_ms']:.2f} ms, {v['tokens_per_s']:.1f} tokens/s per user")
+        _print_layouts(d, ("dp_row_shard", "dp_row_shard_mxfp4", "dp_sharded", "dp_sharded_mxfp4"))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"benchmark": "project_token", "rows": rows}, fh, indent=1)
