@@ -35,7 +35,7 @@ all 32 ranks, 28 each), per rank and layer, the same pieces but:
     attention   MLA: + DCP's query all-gather, LSE all-gather and reduce-scatter over heads
                 (intra-node); its core assumed as fast as DCP 1's (the same heads x positions)
     experts     the slowest of 32 ranks over the 4 R rows of all groups
-    MoE         ``dp_row_shard``: the row shard (vLLM's graph at DP > 1), its dispatch
+    MoE         ``dp_row_shard``: the row shard (past sharded_moe's rows), its dispatch
                 all-gather and combine reduce-scatter over the 32 ranks; ``dp_sharded``:
                 sharded_moe's DP form, within each TP group, the routed experts' rows
                 all-gathered over the 4 DP peers of a TP index and their fp32 partials

@@ -725,9 +725,10 @@ def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None, e
 
 
 # ----------------------------------------------------------------------------- build
-def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256):
+def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256, dp: int = 1, dp_rank: int = 0):
     """A ``VllmConfig`` for the checkpoint at ``path``: TP ``tp``, PP 1, expert parallel
-    on (with DP > 1 this is the layout that runs K3 sequence-parallel on H200), bf16,
+    on (with DP > 1 this is the layout that runs K3 sequence-parallel on H200; ``dp`` /
+    ``dp_rank``: one DP engine's view of ``-dp dp``), bf16,
     prefix caching off, eager (vLLM compiles nothing itself; ``capture`` does), the CPU
     platform's MLA backend (CPU_MLA; its decode op runs vLLM's Triton MLA kernels on
     CUDA, ``SHIMS``). The device config stays the CPU platform's even when the model
@@ -743,7 +744,8 @@ def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256):
     return VllmConfig(
         model_config=model_config,
         device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_rank=dp_rank,
+                                       enable_expert_parallel=True),
         cache_config=CacheConfig(enable_prefix_caching=False, mamba_cache_mode="none", block_size=BLOCK_SIZE),
         compilation_config=CompilationConfig(mode=0),
         attention_config=AttentionConfig(backend=AttentionBackendEnum.CPU_MLA),  # not AMX_MLA on an AMX host
@@ -770,10 +772,17 @@ def _init_distributed(vllm_config, tp: int, rank: int, group: str, sp: bool) -> 
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed import parallel_state
 
+    dp = vllm_config.parallel_config.data_parallel_size
+    local_rank = rank
     if group == "gloo":
-        if not dist.is_initialized() or dist.get_world_size() != tp:
-            raise RuntimeError(f"group='gloo' needs torch.distributed initialised with {tp} ranks (run_ranks)")
-        rank = dist.get_rank()
+        if not dist.is_initialized() or dist.get_world_size() != tp * dp:
+            raise RuntimeError(f"group='gloo' needs torch.distributed initialised with {tp * dp} ranks (run_ranks)")
+        # with DP > 1 vLLM takes the rank in its TP group and places it by its DP rank itself
+        local_rank = dist.get_rank()
+        rank = local_rank % tp if dp > 1 else local_rank
+    elif dp > 1:
+        raise ValueError("data parallelism is captured on gloo ranks only (vLLM all-reduces each DP replica's "
+                         "token count in the forward context)")
     elif group == "fake":
         if dist.is_initialized():
             raise RuntimeError("group='fake' starts its own fake process group; torch.distributed is initialised")
@@ -785,9 +794,9 @@ def _init_distributed(vllm_config, tp: int, rank: int, group: str, sp: bool) -> 
     backend = dist.get_backend()
     with _fake_subgroups(group == "fake"):
         if parallel_state._WORLD is None:
-            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend=backend)
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=local_rank, backend=backend)
         initialize_model_parallel(tensor_model_parallel_size=tp, backend=backend)
-        if sp and tp > 1:
+        if sp and tp > 1 and dp == 1:
             _ep_all2all()
 
 
@@ -829,7 +838,7 @@ def _fake_subgroups(active: bool) -> Iterator[None]:
 
 def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", preset: str = "tiny",
           layers: int | None = None, seed: int = 0, experts: str = "bf16", device: str = "cpu",
-          weights: tuple[Any, dict[str, torch.Tensor]] | None = None, max_model_len: int = 256):
+          weights: tuple[Any, dict[str, torch.Tensor]] | None = None, max_model_len: int = 256, dp: int = 1):
     """``(vllm_config, model)``: vLLM's ``KimiLinearForCausalLM`` (its backbone is
     ``model.model``, a ``KimiLinearModel``) on this rank, with our replica's random
     weights for ``preset`` loaded through vLLM's ``load_weights``, and its caches bound.
@@ -839,7 +848,10 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
     MegaMoE); otherwise plain TP. ``group``: ``"fake"`` starts a fake process group of
     ``tp`` ranks (capture only) as ``rank``; ``"gloo"`` uses the caller's world.
     ``experts``: as ``checkpoint`` (MXFP4 ones run on vLLM's emulation MoE backend).
-    ``device``: where the model's tensors live ("cpu", or "cuda": ``install``).
+    ``device``: where the model's tensors live ("cpu", or "cuda": ``install``). ``dp``:
+    ``-dp dp`` with EP over all tp x dp gloo ranks (rank i is rank i % tp of DP replica
+    i // tp, as vLLM orders them; vLLM builds its TP, DP and EP groups and the EP
+    dispatcher itself; each replica decodes its own batch, of the same rows).
     ``weights``: ``(config, tensors)`` loaded instead of the preset's random checkpoint
     (e.g. drawn on the GPU; only the config is written to disk, for vLLM's
     ``ModelConfig``). ``max_model_len``: vLLM's, at least the longest context decoded.
@@ -862,13 +874,20 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
         path = Path(tempfile.mkdtemp(prefix="kimi-vllm-config-"))
         atexit.register(shutil.rmtree, path, ignore_errors=True)
         save_checkpoint(path, config.replace(**MLA_DIMS), {})
-    vllm_config = vllm_config_for(path, tp, max_model_len)
+    if dp > 1:
+        import torch.distributed as dist
+
+        if not (sp and tp > 1 and group == "gloo" and dist.is_initialized()):
+            raise ValueError(f"dp={dp} needs the SP layout at TP > 1 on gloo ranks (run_ranks with tp x dp ranks)")
+        vllm_config = vllm_config_for(path, tp, max_model_len, dp, dist.get_rank() // tp)
+    else:
+        vllm_config = vllm_config_for(path, tp, max_model_len)
     _cuda_environment()
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, tp, rank, group, sp)
         parallel = vllm_config.parallel_config
         dp = parallel.data_parallel_size
-        if sp and tp > 1:
+        if sp and tp > 1 and dp == 1:
             parallel.data_parallel_size = 2
         try:
             with set_default_torch_dtype(torch.bfloat16), torch.device(device):

@@ -48,7 +48,8 @@ takes all T rows of the hybrid step (the ``sharded_moe`` pass puts it where eith
 was) and returns this rank's partials: shared_r [T, H] bf16 (the shared experts' width
 block r of G) and routed_r [T, L] fp32 (this rank's local experts on every row, through
 ``kimi_kernels::expert_ffn``); the graph sums each over the TP group, which must be the
-EP group.
+EP group or, with data parallelism, one of the DP replicas' TP groups that make it up
+(the op then gathers its DP peers' rows for the experts and reduce-scatters back).
 """
 
 from __future__ import annotations
@@ -250,20 +251,31 @@ def _(latent, router_logits, shared_in, layer_name):
 
 # ------------------------------------------------------------------- all rows, TP-sharded
 def tp_shard() -> tuple[int, int, str]:
-    """(G, r, '') for the sharded layout: this rank is r of the G-rank TP group, whose
-    ranks are also the EP group's (so the TP all-reduce sums every expert once); else
-    (G, r, why not)."""
-    from vllm.distributed import get_ep_group, get_tp_group
+    """(G, r, '') for the sharded layout: this rank is r of the G-rank TP group, and the
+    EP group is that TP group, or (data parallel) the DP replicas' TP groups one after
+    another (EP rank = DP rank x G + r, vLLM's order: ``dp_peers``); else (G, r, why not)."""
+    from vllm.distributed import get_dp_group, get_ep_group, get_tp_group
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     if not model_parallel_is_initialized():
         return 1, 0, "vLLM's parallel state is not initialised (the graph is compiled outside a vLLM worker)"
-    tp, ep = get_tp_group(), get_ep_group()
-    if (ep.world_size, ep.rank_in_group) != (tp.world_size, tp.rank_in_group):
+    tp, ep, dp = get_tp_group(), get_ep_group(), get_dp_group()
+    if (ep.world_size, ep.rank_in_group) != (dp.world_size * tp.world_size,
+                                             dp.rank_in_group * tp.world_size + tp.rank_in_group):
         return tp.world_size, tp.rank_in_group, (
-            f"vLLM's EP group ({ep.world_size} ranks, data parallel > 1) is not its TP group ({tp.world_size}): "
-            "the experts of other TP groups' rows cannot be summed by the TP all-reduce")
+            f"vLLM's EP group ({ep.world_size} ranks, this rank {ep.rank_in_group}) is neither its TP group "
+            f"({tp.world_size}) nor its {dp.world_size} DP replicas' TP groups in order")
     return tp.world_size, tp.rank_in_group, ""
+
+
+def dp_peers():
+    """vLLM's DP group (this rank's peers: the ranks of the same TP rank in every DP
+    replica) when DP > 1, else None. With ``tp_shard``'s layout, the experts of the peers'
+    EP ranks serve this TP group's rows too."""
+    from vllm.distributed import get_dp_group
+
+    dp = get_dp_group()
+    return dp if dp.world_size > 1 else None
 
 
 def _shared_partial(runner, x: Tensor, G: int, r: int) -> Tensor:
@@ -303,16 +315,26 @@ def sharded_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
     on every row (``kimi_kernels.expert_ffn``, ids of other ranks' experts skipped,
     padding rows routed nowhere); summed over the group they are ``moe_forward_shared``'s
     pair (the ``sharded_moe`` pass emits the sums). Rows: the step's rows in order, so
-    row t is ``forward_context.is_padding[t]``'s."""
+    row t is ``forward_context.is_padding[t]``'s. With data parallelism (``dp_peers``) the
+    local experts run on every DP replica's T rows (latent, weights and global ids
+    all-gathered from the peers in one fp32 message) and their fp32 partials are
+    reduce-scattered back: routed is then this TP group's rows' sum over the peers' experts."""
     runner = _layer(layer_name)
     G, r, why = tp_shard()
     if why:
         raise ValueError(f"layer {runner.layer_name}: kimi_vllm.sharded_moe cannot run: {why}. Fix: {NO_SHARDED_MOE}")
     shared = _shared_partial(runner, shared_in, G, r)
     weights, ids = _routing(runner, latent, router_logits, _padding(latent.shape[0], False))
+    peers = dp_peers()
+    if peers is not None:
+        k, L = ids.shape[1], latent.shape[1]
+        message = peers.all_gather(torch.cat([latent.float(), weights, ids.float()], 1), 0)
+        latent, weights, ids = message[:, :L].to(latent.dtype), message[:, L:L + k], message[:, L + k:].int()
     w13, w2, w13_scale, w2_scale, first = _experts(runner, latent.dtype)
     routed = expert_ffn.expert_ffn(latent, weights, ids - first if first else ids, w13, w2, *_betas(runner),
                                    w13_scale, w2_scale)
+    if peers is not None:
+        routed = peers.reduce_scatter(routed, 0)
     return shared, routed
 
 

@@ -60,7 +60,9 @@ router GEMM, latent down-projection, norm and up-projection are in the graph. Th
 rows and tail are taken, and the op becomes ``kimi_vllm.sharded_moe(z, logits, x, name)``
 on all rows, whose pair is this rank's partials (the shared experts' column block s_r
 in bf16, the local experts on every row in fp32): the graph sums y over the ranks (fp32
-all-reduce) and the tail as above. Kept when vLLM's EP group is not its TP group.
+all-reduce) and the tail as above. With vLLM's data parallelism the op itself gathers
+its DP peers' rows for the experts and reduce-scatters back (``vllm_moe.sharded_moe``).
+Kept when vLLM's EP group is neither its TP group nor its DP replicas' TP groups in order.
 
 Invariants. Relies on: the hybrid graph (``DecoderGraph.hybrid``), a static T, valid
 ``meta["val"]``. Establishes: every MoE layer it rewrites reads and writes T rows,
@@ -210,7 +212,7 @@ def _match(layer: Layer) -> "SimpleNamespace | str":
     why = row_local.reason(region, shard, sink=gather.nodes[-1], also=(pad,))
     if why:
         return f"not proven row-local: {why}"
-    summary = _summary(x, G, "shared experts", "", peers)
+    summary = _summary(x, G, "shared experts", "", 1 if peers is None else peers.size())
     return SimpleNamespace(E=E, shard=shard, x=x, full=full, gather=gather, pre=pre, normed=normed, w_up=w_up,
                            h=h, w_down_shared=w_down_shared, gu=gu, halves=halves, w_gu=gate_up[1], weights=weights,
                            ids=ids, pad=pad, mask_all=mask_all, mxfp4=E.arg("w13_scale") is not None, region=region,
@@ -295,12 +297,13 @@ def _match_layer_op(layer: Layer, E: OpCall, shard: fx.Node, x: fx.Node, gather,
         return f"not proven row-local: {why}"
     return SimpleNamespace(layer_op=True, E=E, shard=shard, x=x, gather=gather, pre=pre, normed=normed, w_up=w_up,
                            outs=outs, region=region, G=G, rank=rank, L=L,
-                           peers=None, summary=_summary(x, G, "vLLM's shared experts", ", kimi_vllm.sharded_moe"))
+                           summary=_summary(x, G, "vLLM's shared experts", ", kimi_vllm.sharded_moe",
+                                            getattr(vllm_moe.dp_peers(), "world_size", 1)))
 
 
-def _summary(x: fx.Node, G: int, shared: str, how: str, peers: "dist.ProcessGroup | None" = None) -> str:
-    """The layer's ``moe_layout`` note."""
-    dp = "" if peers is None else (f"; data parallel: the rows of all {peers.size()} TP groups gathered for the "
+def _summary(x: fx.Node, G: int, shared: str, how: str, replicas: int = 1) -> str:
+    """The layer's ``moe_layout`` note (``replicas``: data-parallel TP groups)."""
+    dp = "" if replicas == 1 else (f"; data parallel: the rows of all {replicas} TP groups gathered for the "
                                    "routed experts, their fp32 partials reduce-scattered back")
     return (f"all {x.meta['val'].shape[0]} rows on every rank: {shared} and latent up-projection TP-sharded "
             f"(1/{G} of their weights{how}), router and latent down replicated; routed experts summed over the "

@@ -312,6 +312,18 @@ def gloo_rank(tp, rows, steps, row_shard=False):
                               (HYBRID, EVERY_PASS, ROW_SHARD) if row_shard else (HYBRID, EVERY_PASS))
 
 
+def gloo_dp_rank(tp, dp, rows, steps, layers):
+    """``gloo_rank`` for vLLM's ``-tp tp -dp dp`` with EP over all tp x dp ranks: each DP
+    replica its own requests (seeded by its DP rank), the same rows."""
+    import torch.distributed as dist
+
+    from kimi_inductor import vllm_cpu
+
+    vllm_config, model = vllm_cpu.build(tp=tp, group="gloo", layers=layers, dp=dp)
+    batch = vllm_cpu.decode_batch(model, vllm_config, rows, PADDING, seed=dist.get_rank() // tp)
+    return eager_and_compiled(vllm_config, model, batch, steps, rows, (HYBRID, EVERY_PASS, ROW_SHARD))
+
+
 def median_row_error(out, ref):
     return statistics.median(((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).tolist())
 
@@ -697,6 +709,29 @@ def test_gloo_tp4_kimi_specialized_equals_vllm_eager():
             [["hybrid_attention", "lower_kernels"]] + [["hybrid_attention", *MOE_PASSES, "lower_kernels"]] * (L - 1))
         assert_bitwise(rank["eager"], rank["compiled"][0])
         assert_in_band(rank["eager"], rank["compiled"][1])
+
+
+@pytest.mark.slow
+def test_gloo_tp2_dp2_sharded_moe_on_vllms_graph_equals_vllm_eager():
+    """vLLM's ``-tp 2 -dp 2 --enable-expert-parallel`` on 4 gloo ranks (vLLM builds its
+    TP, DP and EP groups: EP over all 4), 3 layers (the dense one and two MoE), T = 3 per
+    replica, 4 steps: the hybrid step bitwise vLLM eager; every pass, with sharded_moe's DP
+    form (kimi_vllm.sharded_moe gathers the DP peers' rows for its experts), and the row
+    shard (kimi_vllm.mega_moe over the EP group of 4), in the bf16 band."""
+    from kimi_inductor.launch import run_ranks
+
+    results = run_ranks(gloo_dp_rank, 4, 2, 2, ROWS, 4, 3)
+    assert not torch.equal(results[0]["eager"][0], results[2]["eager"][0])  # each replica its own requests
+    for rank in results:
+        hybrid, every, row_shard = rank["reports"]
+        moe = [l for l in every[0]["layers"] if l["mlp"] == "moe"]
+        assert len(moe) == 2 and all(l["rewritten_by"] == ["hybrid_attention", *MOE_PASSES, "lower_kernels"]
+                                     for l in moe)
+        assert all("data parallel: the rows of all 2 TP groups gathered" in l["notes"]["moe_layout"] for l in moe)
+        assert all("kimi_vllm.mega_moe" in l["notes"]["moe"] for l in row_shard[0]["layers"] if l["mlp"] == "moe")
+        assert_bitwise(rank["eager"], rank["compiled"][0])
+        for compiled in rank["compiled"][1:]:
+            assert_in_band(rank["eager"], compiled)
 
 
 def _kda_group_against_ours(dtype):
