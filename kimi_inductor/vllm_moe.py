@@ -318,7 +318,8 @@ def sharded_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
     row t is ``forward_context.is_padding[t]``'s. With data parallelism (``dp_peers``) the
     local experts run on every DP replica's T rows (latent, weights and global ids
     all-gathered from the peers in one fp32 message) and their fp32 partials are
-    reduce-scattered back: routed is then this TP group's rows' sum over the peers' experts."""
+    reduce-scattered back: routed is then this TP group's rows' sum over the peers' experts
+    (every replica steps with the same T, as vLLM pads its DP replicas' batches)."""
     runner = _layer(layer_name)
     G, r, why = tp_shard()
     if why:

@@ -235,7 +235,7 @@ def _dp_peers(ep: dist.ProcessGroup, tp: dist.ProcessGroup) -> "dist.ProcessGrou
         return None
     want = [dist.get_global_rank(ep, j * G + t) for j in range(P // G)]
     for pg in dist.distributed_c10d._world.pg_group_ranks:
-        if isinstance(pg, dist.ProcessGroup) and pg.size() == len(want) and [dist.get_global_rank(pg, i) for i in range(pg.size())] == want:
+        if isinstance(pg, dist.ProcessGroup) and dist.get_process_group_ranks(pg) == want:
             return pg
     return (f"data parallel: no process group of this rank's DP peers (global ranks {want}) exists; create it "
             "before compiling (vLLM's DP group is it)")
