@@ -2,9 +2,10 @@
 ``kimi_specialized``, with its match report and an equality check against stock.
 
 On every rank (gloo, spawned for the user) the same random checkpoint decodes the
-same steps twice (with ``dp`` > 1, ``dp`` TP groups of ``ranks`` ranks each decode their
-own requests and share the routed experts; the report and the check are TP group 0's): the stock decoder in SP layout (eager, per-layer timings) and the
-decoder compiled by ``kimi_specialized``. The outputs must agree (docs/testing.md):
+same steps twice: the stock decoder in SP layout (eager, per-layer timings) and the
+decoder compiled by ``kimi_specialized`` (with ``dp`` > 1, ``dp`` TP groups of ``ranks``
+ranks each decode their own requests and share the routed experts; the report and the
+check are TP group 0's). The outputs must agree (docs/testing.md):
   * bitwise, in bf16, with the eager compiler, when the rewrite's all-reduce sums the
     o-projection partials in the order stock's reduce-scatter does (gloo: G = 2, or T a
     multiple of G) and no MoE layer is split over the ranks;

@@ -55,7 +55,8 @@ class Parallel:
         if self.ep_group is not None:
             if self.layout != "sp" or self.size == 1:
                 raise ValueError("an expert-parallel group larger than the TP group (data parallelism) needs the "
-                                 "SP layout with TP > 1 in this replica (the TP layout shards every expert over the TP group)")
+                                 "SP layout with TP > 1 in this replica (the TP layout shards every expert over "
+                                 "the TP group)")
             ep_size, ep_rank = dist.get_world_size(self.ep_group), dist.get_rank(self.ep_group)
             if ep_size % self.size or ep_rank % self.size != self.rank:
                 raise ValueError(f"EP rank {ep_rank} of {ep_size} is not d x {self.size} + its TP rank {self.rank}: "
