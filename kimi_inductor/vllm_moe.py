@@ -278,6 +278,20 @@ def dp_peers():
     return dp if dp.world_size > 1 else None
 
 
+def same_rows_on_every_replica(layer_name: str) -> None:
+    """Raise unless every DP replica steps with this step's row count (its DP metadata:
+    vLLM pads the replicas' batches equal when it runs CUDA graphs, not otherwise):
+    sharded_moe's DP form all-gathers equal row blocks from its peers."""
+    from vllm.forward_context import get_forward_context
+
+    meta = get_forward_context().dp_metadata
+    sizes = [] if meta is None else meta.num_tokens_across_dp_cpu.tolist()
+    if any(n != sizes[0] for n in sizes):
+        raise ValueError(f"layer {layer_name}: kimi_vllm.sharded_moe gathers its DP peers' rows, so every DP replica "
+                         f"must step with the same rows; this step's are {sizes} (vLLM pads them equal when it runs "
+                         f"CUDA graphs). Fix: run with CUDA graphs, or {NO_SHARDED_MOE}")
+
+
 def _shared_partial(runner, x: Tensor, G: int, r: int) -> Tensor:
     """x [T, H] -> this rank's partial [T, H] of the layer's shared experts: gate and up
     rows s_r = [r D/G, (r + 1) D/G) of their width D, SiTU as vLLM's module applies it,
@@ -328,6 +342,7 @@ def sharded_moe(latent: Tensor, router_logits: Tensor, shared_in: Tensor,
     weights, ids = _routing(runner, latent, router_logits, _padding(latent.shape[0], False))
     peers = dp_peers()
     if peers is not None:
+        same_rows_on_every_replica(runner.layer_name)
         k, L = ids.shape[1], latent.shape[1]
         message = peers.all_gather(torch.cat([latent.float(), weights, ids.float()], 1), 0)
         latent, weights, ids = message[:, :L].to(latent.dtype), message[:, L:L + k], message[:, L + k:].int()

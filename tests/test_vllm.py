@@ -318,8 +318,8 @@ def test_sharded_moe_op_splits_the_shared_experts_over_the_group(monkeypatch):
     """kimi_vllm.sharded_moe's shared partials (gate and up rows of block r, SiTU, down
     columns of block r) sum over the G ranks to vLLM's whole shared MLP; weights vLLM
     already TP-shards are taken as the rank's block; quantized shared experts, a width
-    that does not split, and an EP group that is not the TP group are refused with the
-    fix."""
+    that does not split, and an EP group that is neither the TP group nor the DP
+    replicas' TP groups are refused with the fix."""
     from types import SimpleNamespace
 
     import vllm.distributed
@@ -353,9 +353,37 @@ def test_sharded_moe_op_splits_the_shared_experts_over_the_group(monkeypatch):
     monkeypatch.setattr(vllm.distributed.parallel_state, "model_parallel_is_initialized", lambda: True)
     monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: group(2, 1))
     monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group(2, 1))
-    assert vllm_moe.tp_shard() == (2, 1, "")
-    monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group(4, 3))  # data parallel 2
-    assert "EP group (4 ranks, data parallel > 1) is not its TP group (2)" in vllm_moe.tp_shard()[2]
+    monkeypatch.setattr(vllm.distributed, "get_dp_group", lambda: group(1, 0))
+    assert vllm_moe.tp_shard() == (2, 1, "") and vllm_moe.dp_peers() is None
+    # data parallel 2: EP rank = DP rank x 2 + TP rank (vLLM's order); the op then gathers from its DP peers
+    monkeypatch.setattr(vllm.distributed, "get_dp_group", lambda: group(2, 1))
+    monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group(4, 3))
+    assert vllm_moe.tp_shard() == (2, 1, "") and vllm_moe.dp_peers().world_size == 2
+    monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group(4, 2))
+    assert ("EP group (4 ranks, this rank 2) is neither its TP group (2) nor its 2 DP replicas' TP groups in order"
+            in vllm_moe.tp_shard()[2])
+
+
+def test_sharded_moe_op_needs_the_same_rows_on_every_dp_replica(monkeypatch):
+    """The DP form all-gathers equal row blocks: a step whose DP replicas hold different
+    row counts (vLLM pads them equal only under CUDA graphs) is refused with the fix."""
+    from types import SimpleNamespace
+
+    import vllm.forward_context
+
+    from kimi_inductor import vllm_moe
+
+    def context(sizes):
+        meta = None if sizes is None else SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor(sizes))
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(dp_metadata=meta))
+
+    for sizes in (None, [4, 4]):
+        context(sizes)
+        vllm_moe.same_rows_on_every_replica("model.layers.1.mlp.experts")
+    context([4, 3])
+    with pytest.raises(ValueError, match=r"layers.1.mlp.experts: .* this step's are \[4, 3\] .*run with CUDA graphs, "
+                       "or set sharded_moe_rows to 0"):
+        vllm_moe.same_rows_on_every_replica("model.layers.1.mlp.experts")
 
 
 @pytest.mark.skipif(bool(__import__("kimi_inductor.kernels", fromlist=["skinny_gemm"]).skinny_gemm.cute_available()),
