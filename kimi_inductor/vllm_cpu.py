@@ -780,10 +780,7 @@ def _init_distributed(vllm_config, tp: int, rank: int, group: str, sp: bool) -> 
         # with DP > 1 vLLM takes the rank in its TP group and places it by its DP rank itself
         local_rank = dist.get_rank()
         rank = local_rank % tp if dp > 1 else local_rank
-    elif dp > 1:
-        raise ValueError("data parallelism is captured on gloo ranks only (vLLM all-reduces each DP replica's "
-                         "token count in the forward context)")
-    elif group == "fake":
+    elif group == "fake":  # single-replica only: build refuses data parallelism off gloo
         if dist.is_initialized():
             raise RuntimeError("group='fake' starts its own fake process group; torch.distributed is initialised")
         from torch.testing._internal.distributed.fake_pg import FakeStore

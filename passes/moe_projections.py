@@ -35,6 +35,7 @@ from kimi_inductor.kernels import moe_projections as kernel
 
 from .decoder import Layer, _between
 from .gemm_neighbours import match_gemm, situ_pair_of
+from .graph import ancestors
 
 aten = torch.ops.aten
 kk = torch.ops.kimi_kernels
@@ -86,7 +87,9 @@ def _bind_in(x: fx.Node, region: set[fx.Node], gemms: dict, gate_up: list[fx.Nod
         return "moe_in: the gate and up blocks are not block r of the gate rows and of the up rows of one weight"
     others = [n for n in readers if n not in (gate, up)]
     router = [n for n in others if readers[n][3] == torch.float32]
-    latent = [n for n in others if n not in router and _feeds_experts(n, region)]
+    # the experts' latent reaches expert_ffn directly, or through sharded_moe's message to the DP peers
+    feeds = set().union(*(ancestors(n, {x}) for n in region if n.target is kk.expert_ffn.default))
+    latent = [n for n in others if n not in router and n in feeds]
     if len(router) != 1 or len(latent) != 1 or len(others) != 2 or any(readers[n][2] is not None for n in others):
         return ("moe_in: x is not read by exactly a router (fp32 logits), the experts' latent down-projection "
                 "and the shared block")
@@ -96,20 +99,6 @@ def _bind_in(x: fx.Node, region: set[fx.Node], gemms: dict, gate_up: list[fx.Nod
         return "moe_in: the gate or up block has readers besides its SiTU"
     return SimpleNamespace(router=router[0], latent=latent[0], gate=gate, up=up, h=situ[0], w_gu=base,
                            shard=shard, beta=beta, linear_beta=linear_beta, route=_route_of(router[0]))
-
-
-def _feeds_experts(node: fx.Node, region: set[fx.Node]) -> bool:
-    """Whether ``node``'s value reaches the routed experts' ``expert_ffn`` inside ``region``
-    (directly, or through sharded_moe's message to the DP peers)."""
-    seen, todo = set(), [node]
-    while todo:
-        for user in todo.pop().users:
-            if user.target is kk.expert_ffn.default:
-                return True
-            if user in region and user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return False
 
 
 def _route_of(router: fx.Node) -> fx.Node | None:
