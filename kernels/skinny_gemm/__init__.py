@@ -79,10 +79,9 @@ FASTEST_BMM: dict[tuple[int, int, int], int] = {
 }
 # (B, K, N) -> up to M rows: the v up-projection with MLA's output gate in its epilogue
 # (``skinny_bmm_gate``: one launch in place of the bmm, the heads' layout copy and the gate).
-# Not timed itself yet (session 17 ran out of GPU time): taken where the plain Triton bmm
-# measured faster than cuBLAS (1 row) or equal (2 rows, BMM_RESULTS), as it also removes
-# the copy and gate kernel (1.2 us alone at 1-2 rows on an H100,
-# docs/results/session17_h100/mla_layer_profile_nopdl_kvnorm.json).
+# Timed in the layer against the bmm followed by Inductor's copy and gate, side by side on
+# an H100 (docs/results/session19_h100/mla_layer_bmm_ab.json): 47.36 / 56.55 us against
+# 47.33 / 56.72 at 1 / 2 rows (equal within 0.3 %); kept for the launch it saves.
 FASTEST_BMM_GATE: dict[tuple[int, int, int], int] = {
     (12, 512, 128): 2,
 }
