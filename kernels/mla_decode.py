@@ -22,9 +22,16 @@ request) against a chunk of the request's positions:
   log-sum-exp weights and rounds once to bf16: a program per (row, L block) loads every
   split's partial at once ([SPLITS, BL]), so its latency does not grow with the splits.
 
-Before them ``_insert_kernel`` (``insert``) writes the step's rows into the cache: one
-program per token stores [kv_c | k_pe] at its slot, in place of the cat and the indexed
-write stock's reference runs as separate ATen kernels.
+The step's own rows are attended before they are in the cache: the split kernel gets one
+split more per (request, row group), whose program takes the request's Q fresh positions
+from kv_c / k_pe (with the layer's kv_a RMSNorm when given, rounded as stock's), attends
+them with the causal mask among the step's tokens, and (first row group) stores them at
+their slots; the other splits divide the positions before the step, which every query
+row sees (no causal mask in their loop). So the cache write, stock's cat + indexed write
+(and norm), costs no launch. A token whose slot is not its position's slot in the table
+(slot -1: vLLM's padding) is attended from the cache's row there, as stock reads it
+after its write. DCP and DSA write first with ``_insert_kernel`` (``insert``: one program
+per token) and attend the cache.
 
 SPLITS is chosen on the host from static sizes only (request count, the block table's
 capacity), so the op is capturable in CUDA graphs; each program divides its request's
@@ -84,12 +91,45 @@ def supported(latent: int, rope: int, dtype: torch.dtype) -> str:
 if triton is not None:
 
     @triton.jit
+    def _attend_step(qn, qp, kv, kp, visible, m, l, acc, scale, DOT_F32: tl.constexpr, ROUND: tl.constexpr):
+        """One online-softmax step of BM query rows over [BS, L] latent and [BS, R] rope
+        rows (``visible`` [BM, BS]): the new (m, l, acc)."""
+        if DOT_F32:
+            kv = kv.to(tl.float32)
+            kp = kp.to(tl.float32)
+            s = tl.dot(qn, tl.trans(kv), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(qn, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = tl.dot(bf16_round(p, ROUND), kv, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(kv.dtype), kv)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _kv_rms_norm(x, norm_ptr, eps, A: tl.constexpr, ROUND: tl.constexpr):
+        """Stock's ``rms_norm`` of rows x [rows, A] (weight at ``norm_ptr``), rounded where
+        stock rounds when ROUND; fp32."""
+        xf = x.to(tl.float32)
+        xf = bf16_round(xf * tl.rsqrt(tl.sum(xf * xf, 1) / A + eps)[:, None], ROUND)
+        return bf16_round(xf * tl.load(norm_ptr + tl.arange(0, A)).to(tl.float32)[None, :], ROUND)
+
+    @triton.jit
     def _mla_split_kernel(qn_ptr, stride_qn_t, stride_qn_h, qp_ptr, stride_qp_t, stride_qp_h, cache_ptr,
                           table_ptr, stride_table, seq_ptr, sel_ptr, stride_sel, list_ptr, stride_list, count_ptr,
-                          acc_ptr, ml_ptr, N, Q, R_DIM, scale, dcp_rank, dcp_size,
+                          acc_ptr, ml_ptr, kv_ptr, stride_kv, kpe_ptr, stride_kpe, slot_ptr, norm_ptr, eps,
+                          N, Q, R_DIM, scale, dcp_rank, dcp_size,
                           L: tl.constexpr, RP: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
                           BM: tl.constexpr, BS: tl.constexpr, HAS_SEL: tl.constexpr, HAS_LIST: tl.constexpr,
-                          WHOLE: tl.constexpr, DOT_F32: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+                          WHOLE: tl.constexpr, FRESH: tl.constexpr, QP: tl.constexpr, NORM: tl.constexpr,
+                          NORM_ROUND: tl.constexpr, DOT_F32: tl.constexpr, ROUND: tl.constexpr,
+                          PDL: tl.constexpr):
         pdl_wait(PDL)
         r = tl.program_id(0)
         rows = tl.program_id(1) * BM + tl.arange(0, BM)  # (token j, head n) pairs of request r
@@ -111,14 +151,51 @@ if triton is not None:
         local_len = tl.maximum(seq - dcp_rank + dcp_size - 1, 0) // dcp_size  # this rank's positions < seq
         if HAS_LIST:  # the split's share of the request's listed positions
             local_len = tl.load(count_ptr + r)
+        n_cached = tl.num_programs(2)
+        if FRESH:  # the last split takes the step's own Q positions, the others those cached before
+            n_cached -= 1
+            local_len = tl.maximum(seq - Q, 0)
         # the request's own positions split evenly (whole BS steps): the table's width
         # (vLLM sizes it for max_model_len) sets only how many splits there are
-        chunk = tl.cdiv(tl.cdiv(local_len, tl.num_programs(2)), BS) * BS
+        chunk = tl.cdiv(tl.cdiv(local_len, n_cached), BS) * BS
         start = split * chunk
         end = tl.minimum(start + chunk, local_len)
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, L], dtype=tl.float32)
+        if FRESH:
+            if split == n_cached:
+                # token i of the step: its row from kv_c / k_pe (the kv norm applied, rounded
+                # to the cache's dtype, stored at its slot by the first row group) where its
+                # slot is its position's slot in the table, else the cache's row there (as
+                # stock, which writes before it reads); causal among the step's tokens
+                i = tl.arange(0, QP)
+                pos = seq - Q + i
+                valid = (i < Q) & (pos >= 0)
+                t = r * Q + i
+                slot = tl.load(slot_ptr + t, mask=i < Q, other=-1).to(tl.int64)
+                at = tl.maximum(pos, 0)
+                own = tl.load(table_ptr + r * stride_table + at // BLOCK, mask=valid, other=0).to(tl.int64)
+                own = own * BLOCK + at % BLOCK
+                kv = tl.load(kv_ptr + t[:, None] * stride_kv + dl[None, :], mask=(i < Q)[:, None], other=0.0)
+                if NORM:
+                    kv = _kv_rms_norm(kv, norm_ptr, eps, L, NORM_ROUND)
+                kv = kv.to(cache_ptr.dtype.element_ty)
+                kp = tl.load(kpe_ptr + t[:, None] * stride_kpe + dr[None, :],
+                             mask=(i < Q)[:, None] & (dr < R_DIM)[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+                if tl.program_id(1) == 0:
+                    store = (i < Q) & (slot >= 0)
+                    tl.store(cache_ptr + slot[:, None] * ROW + dl[None, :], kv, mask=store[:, None])
+                    tl.store(cache_ptr + slot[:, None] * ROW + L + dr[None, :], kp,
+                             mask=store[:, None] & (dr < R_DIM)[None, :])
+                stale = valid & (slot != own)
+                kv = tl.where(stale[:, None], tl.load(cache_ptr + own[:, None] * ROW + dl[None, :],
+                                                      mask=stale[:, None], other=0.0), kv)
+                kp = tl.where(stale[:, None], tl.load(cache_ptr + own[:, None] * ROW + L + dr[None, :],
+                                                      mask=stale[:, None] & (dr < R_DIM)[None, :], other=0.0), kp)
+                visible = valid[None, :] & (pos[None, :] <= last[:, None])
+                m, l, acc = _attend_step(qn, qp, kv, kp, visible, m, l, acc, scale, DOT_F32, ROUND)
+                end = start  # no cached positions
         row_kv = tl.arange(0, BS)[:, None] * ROW + dl[None, :]
         row_kp = tl.arange(0, BS)[:, None] * ROW + L + dr[None, :]
         for p0 in range(start, end, BS):
@@ -137,29 +214,15 @@ if triton is not None:
                 kv = tl.load(cache_ptr + phys[:, None] + dl[None, :], mask=pmask[:, None], other=0.0)  # [BS, L]
                 kp = tl.load(cache_ptr + phys[:, None] + L + dr[None, :],
                              mask=pmask[:, None] & (dr < R_DIM)[None, :], other=0.0)
-            if DOT_F32:
-                kv = kv.to(tl.float32)
-                kp = kp.to(tl.float32)
-                s = tl.dot(qn, tl.trans(kv), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+            if FRESH:  # every cached position precedes the step's: visible to all its rows
+                visible = pmask[None, :]
             else:
-                s = tl.dot(qn, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
-            where = (pos // BLOCK) * BLOCK * dcp_size + (pos % BLOCK) * dcp_size + dcp_rank  # global position
-            visible = (where[None, :] <= last[:, None]) & pmask[None, :]
+                where = (pos // BLOCK) * BLOCK * dcp_size + (pos % BLOCK) * dcp_size + dcp_rank  # global position
+                visible = (where[None, :] <= last[:, None]) & pmask[None, :]
             if HAS_SEL:
                 visible &= tl.load(sel_ptr + tok[:, None] * stride_sel + pos[None, :],
                                    mask=rmask[:, None] & pmask[None, :], other=0) != 0
-            s = tl.where(visible, s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
-            if DOT_F32:
-                pv = tl.dot(bf16_round(p, ROUND), kv, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(kv.dtype), kv)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+            m, l, acc = _attend_step(qn, qp, kv, kp, visible, m, l, acc, scale, DOT_F32, ROUND)
         out_rows = r * Q * N + rows
         nrows = tl.num_programs(0) * Q * N
         tl.store(acc_ptr + (split * nrows + out_rows)[:, None].to(tl.int64) * L + dl[None, :], acc,
@@ -192,14 +255,13 @@ if triton is not None:
                 tl.store(lse_ptr + row, tl.where(den > 0, top + tl.log(tl.where(den > 0, den, 1.0)), float("-inf")))
 
     @triton.jit
-    def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, norm_ptr, eps, block_local, dcp_rank,
+    def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, block_local, dcp_rank,
                        dcp_size, A: tl.constexpr, B: tl.constexpr, AP: tl.constexpr, BP: tl.constexpr,
-                       ROW: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+                       ROW: tl.constexpr, PDL: tl.constexpr):
         """Program t: token t's row [a | b] (A + B values) stored at its slot of the paged
         cache [blocks, block_local, ROW]; under DCP (``dcp_size`` > 1) global slot ->
         this rank's slot (``stock.dcp.local_slots``), other ranks' positions skipped, as are
-        slots < 0. With NORM, a is stored as stock's ``rms_norm(a, w, eps)`` (w at
-        ``norm_ptr``; rounded where stock rounds when ROUND)."""
+        slots < 0."""
         pdl_wait(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -209,10 +271,6 @@ if triton is not None:
             row = cache_ptr + ((slot // virtual) * block_local + offset // dcp_size) * ROW
             da = tl.arange(0, AP)
             x = tl.load(a_ptr + t * stride_a + da, mask=da < A)
-            if NORM:
-                xf = x.to(tl.float32)
-                xf = bf16_round(xf * tl.rsqrt(tl.sum(xf * xf, 0) / A + eps), ROUND)
-                x = bf16_round(xf * tl.load(norm_ptr + da, mask=da < A).to(tl.float32), ROUND)
             tl.store(row + da, x.to(cache_ptr.dtype.element_ty), mask=da < A)
             if B > 0:
                 db = tl.arange(0, BP)
@@ -220,22 +278,23 @@ if triton is not None:
                 tl.store(row + A + db, y.to(cache_ptr.dtype.element_ty), mask=db < B)
 
 
+def _rows(t: Tensor) -> Tensor:
+    """t [T, ...] as [T, d] rows with a unit last stride (a view where it can be)."""
+    return t.reshape(t.shape[0], -1) if t.stride(-1) == 1 else t.reshape(t.shape[0], -1).contiguous()
+
+
 def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = None, dcp_rank: int = 0,
-           dcp_size: int = 1, norm: tuple[Tensor, float] | None = None) -> None:
+           dcp_size: int = 1) -> None:
     """``write_cache(cache, slots, cat([a, b], -1))`` in one launch: a [T, A] (and b [T, B];
-    trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP.
-    ``norm`` (weight [A], eps): a is written as stock's ``rms_norm(a, weight, eps)``."""
-    a, b = ((t.reshape(t.shape[0], -1) if t.stride(-1) == 1 else t.reshape(t.shape[0], -1).contiguous())
-            if t is not None else None for t in (a, b))
+    trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP."""
+    a, b = (_rows(t) if t is not None else None for t in (a, b))
     T, A = a.shape
     B = 0 if b is None else b.shape[1]
     assert cache.is_contiguous() and cache.shape[-1] == A + B
     b = a if b is None else b
-    weight, eps = norm if norm is not None else (a, 0.0)
-    _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, weight, eps, cache.shape[1], dcp_rank,
+    _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, cache.shape[1], dcp_rank,
                          dcp_size, A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),
-                         ROW=cache.shape[-1], NORM=norm is not None, ROUND=weight.dtype == torch.bfloat16,
-                         num_warps=1, **pdl(a.device))
+                         ROW=cache.shape[-1], num_warps=1, **pdl(a.device))
 
 
 def tiles(bm: int) -> tuple[int, int]:
@@ -251,15 +310,17 @@ def row_block(rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(rows)))
 
 
-def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64, steps: int = 1) -> int:
-    """KV splits per (request, row group): at most two programs per SM (one wave; a
+def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64, steps: int = 1,
+           fresh: bool = False) -> int:
+    """KV splits per (request, row group), with ``fresh`` the step's own positions' split
+    among them: at most two programs per SM (one wave; a
     rounded-up count left a partial second wave: 32 / 64 requests at 4K took 9 / 19 %
     longer, docs/results/mla_layer_h100_v10*.json), chunks of at least ``steps`` BS
     positions of a full table (static sizes only: capturable; the kernel divides each
     request's own length). One step: at 4K context and one request
     128 splits took 9.3 us against 14.3 with chunks of 4 steps (32 splits), the same at
     8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json."""
-    return max(1, min(2 * SMS // (requests * groups), triton.cdiv(capacity, steps * bs), most))
+    return max(1, min(2 * SMS // (requests * groups) - fresh, triton.cdiv(capacity, steps * bs), most)) + fresh
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale, kv_norm_weight=None,
@@ -279,8 +340,7 @@ def mla_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cac
     if not _use_triton(ql_nope, q_pe):
         kv_c = kv_c if norm is None else rms_norm(kv_c, *norm)
         return reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
-    insert(kv_cache, slot_mapping, kv_c, k_pe, norm=norm)
-    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale)
+    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, fresh=(kv_c, k_pe, slot_mapping, norm))
 
 
 def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
@@ -290,11 +350,15 @@ def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
 def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
            listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
-           most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None):
+           most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None,
+           fresh: tuple[Tensor, Tensor, Tensor, tuple[Tensor, float] | None] | None = None):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
-    request are read. Tile arguments are for the benchmark's sweep
+    request are read. ``fresh`` (kv_c, k_pe, slot_mapping, kv norm or None; not with DCP or
+    ``listed``): the step's rows are not yet in the cache; one more split per request
+    and row group attends them from kv_c / k_pe and writes them (``insert``'s work, no
+    launch of its own). Tile arguments are for the benchmark's sweep
     (``benchmarks/mla_kernel.py``)."""
     T, N, L = ql_nope.shape
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
@@ -305,7 +369,8 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     most_splits = most_splits or tiles(bm)[1]
     groups = triton.cdiv(Q * N, bm)
     capacity = listed[0].shape[1] if listed is not None else block_table.shape[1] * block
-    n_split = splits(R, groups, capacity, bs, most_splits, steps)
+    assert fresh is None or (dcp_size == 1 and listed is None)
+    n_split = splits(R, groups, capacity, bs, most_splits, steps, fresh is not None)
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
     ml = torch.empty(n_split, T * N, 2, dtype=torch.float32, device=ql_nope.device)
     out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)
@@ -314,14 +379,19 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     plist, counts = listed if listed is not None else (block_table, seq_lens)
     R_DIM = q_pe.shape[-1]
     assert ql_nope.stride(2) == 1 and q_pe.stride(2) == 1 and kv_cache.is_contiguous()
+    kv_c, k_pe, slot_mapping, norm = fresh if fresh is not None else (seq_lens, seq_lens, seq_lens, None)
+    kv_c, k_pe = (_rows(kv_c), _rows(k_pe)) if fresh is not None else (kv_c, k_pe)
+    norm_w, eps = norm if norm is not None else (seq_lens, 0.0)
     launch = pdl(ql_nope.device)
     _mla_split_kernel[(R, groups, n_split)](
         ql_nope, ql_nope.stride(0), ql_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache,
         block_table, block_table.stride(0), seq_lens, sel, sel.stride(0) if selected is not None else 0,
-        plist, plist.stride(0), counts, acc, ml, N, Q, R_DIM, scale, dcp_rank, dcp_size,
+        plist, plist.stride(0), counts, acc, ml, kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), slot_mapping,
+        norm_w, eps, N, Q, R_DIM, scale, dcp_rank, dcp_size,
         L=L, RP=max(16, triton.next_power_of_2(R_DIM)), ROW=row, BLOCK=block, BM=bm, BS=bs,
-        HAS_SEL=selected is not None, HAS_LIST=listed is not None,
-        WHOLE=listed is None and block % bs == 0, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
+        HAS_SEL=selected is not None, HAS_LIST=listed is not None, WHOLE=listed is None and block % bs == 0,
+        FRESH=fresh is not None, QP=max(16, triton.next_power_of_2(Q)), NORM=norm is not None,
+        NORM_ROUND=norm_w.dtype == torch.bfloat16, DOT_F32=INTERPRET or ql_nope.dtype == torch.float32,
         ROUND=ql_nope.dtype == torch.bfloat16, num_warps=num_warps or max(4, bm // 4), num_stages=num_stages,
         **launch)
     sp = triton.next_power_of_2(n_split)

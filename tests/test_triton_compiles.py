@@ -252,20 +252,17 @@ def test_triton_moe_in_compiles_for_sm90_to_pipelined_wgmma(M):
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 def test_mla_cache_insert_and_combine_compile_for_sm90():
-    """The MLA cache write (also normalising kv_c, the layer's kv_a RMSNorm) and the
-    splits' merge, with PDL as they launch on the H200."""
+    """The cache write of DCP and DSA, and the splits' merge, with PDL as they launch on
+    the H200."""
     from kimi_inductor.kernels import mla_decode
 
     sig = {"a_ptr": "*bf16", "stride_a": "i32", "b_ptr": "*bf16", "stride_b": "i32", "slot_ptr": "*i64",
-           "cache_ptr": "*bf16", "norm_ptr": "*bf16", "eps": "fp32", "block_local": "i32", "dcp_rank": "i32",
-           "dcp_size": "i32", **{k: "constexpr" for k in ("A", "B", "AP", "BP", "ROW", "NORM", "ROUND", "PDL")}}
+           "cache_ptr": "*bf16", "block_local": "i32", "dcp_rank": "i32", "dcp_size": "i32",
+           **{k: "constexpr" for k in ("A", "B", "AP", "BP", "ROW", "PDL")}}
     assert list(sig) == mla_decode._insert_kernel.arg_names
-    for norm in (False, True):
-        src = ASTSource(mla_decode._insert_kernel, sig, constexprs={"A": 512, "B": 64, "AP": 512, "BP": 64,
-                                                                    "ROW": 576, "NORM": norm, "ROUND": True,
-                                                                    "PDL": True})
-        ptx = triton.compile(src, target=SM90, options={"num_warps": 1}).asm["ptx"]
-        assert "griddepcontrol.wait" in ptx and ("rsqrt" in ptx) == norm
+    src = ASTSource(mla_decode._insert_kernel, sig, constexprs={"A": 512, "B": 64, "AP": 512, "BP": 64, "ROW": 576,
+                                                                "PDL": True})
+    assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 1}).asm["ptx"]
     sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "nrows": "i32",
            "n_split": "i32", **{k: "constexpr" for k in ("L", "BL", "SP", "WITH_LSE", "PDL")}}
     for sp, with_lse in ((32, False), (256, True)):
@@ -275,24 +272,29 @@ def test_mla_cache_insert_and_combine_compile_for_sm90():
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
-@pytest.mark.parametrize("has_list", [False, True])
-def test_mla_split_kernel_compiles_for_sm90(has_list):
+@pytest.mark.parametrize("has_list, fresh", [(False, True), (True, False)])
+def test_mla_split_kernel_compiles_for_sm90(has_list, fresh):
     """The split-KV core at K3's TP8 tile (16 rows, 32 positions a step), each program
     sizing its chunk from its request's length, with PDL; its cache tiles stream through
-    ``cp.async`` (given the 16-byte alignment the launcher specialises pointers to)."""
+    ``cp.async`` (given the 16-byte alignment the launcher specialises pointers to). With
+    ``fresh`` (MLA) its last split attends, normalises and writes the step's rows
+    (``rsqrt``: the kv norm); DSA's listed positions keep the cache write apart."""
     from kimi_inductor.kernels import mla_decode
 
     sig = {"qn_ptr": "*bf16", "stride_qn_t": "i32", "stride_qn_h": "i32", "qp_ptr": "*bf16", "stride_qp_t": "i32",
            "stride_qp_h": "i32", "cache_ptr": "*bf16", "table_ptr": "*i32", "stride_table": "i32",
            "seq_ptr": "*i32", "sel_ptr": "*i32", "stride_sel": "i32", "list_ptr": "*i32", "stride_list": "i32",
-           "count_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "N": "i32", "Q": "i32", "R_DIM": "i32",
-           "scale": "fp32", "dcp_rank": "i32", "dcp_size": "i32",
-           **{k: "constexpr" for k in ("L", "RP", "ROW", "BLOCK", "BM", "BS", "HAS_SEL", "HAS_LIST", "DOT_F32",
-                                       "ROUND", "PDL")}}
+           "count_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "kv_ptr": "*bf16", "stride_kv": "i32",
+           "kpe_ptr": "*bf16", "stride_kpe": "i32", "slot_ptr": "*i64", "norm_ptr": "*bf16", "eps": "fp32",
+           "N": "i32", "Q": "i32", "R_DIM": "i32", "scale": "fp32", "dcp_rank": "i32", "dcp_size": "i32",
+           **{k: "constexpr" for k in ("L", "RP", "ROW", "BLOCK", "BM", "BS", "HAS_SEL", "HAS_LIST", "WHOLE",
+                                       "FRESH", "QP", "NORM", "NORM_ROUND", "DOT_F32", "ROUND", "PDL")}}
+    assert list(sig) == mla_decode._mla_split_kernel.arg_names
     attrs = aligned(sig, [n for n in sig if n.endswith("_ptr")] + ["stride_qn_t", "stride_qn_h", "stride_qp_t",
                                                                    "stride_qp_h"])
     constexprs = {"L": 512, "RP": 64, "ROW": 576, "BLOCK": 64, "BM": 16, "BS": mla_decode.BS, "HAS_SEL": False,
-                  "HAS_LIST": has_list, "DOT_F32": False, "ROUND": True, "PDL": True}
+                  "HAS_LIST": has_list, "WHOLE": not has_list, "FRESH": fresh, "QP": 16, "NORM": fresh,
+                  "NORM_ROUND": True, "DOT_F32": False, "ROUND": True, "PDL": True}
     src = ASTSource(mla_decode._mla_split_kernel, sig, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=SM90, options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
-    assert "griddepcontrol.wait" in ptx and "cp.async.cg" in ptx
+    assert "griddepcontrol.wait" in ptx and "cp.async.cg" in ptx and ("rsqrt" in ptx) == fresh

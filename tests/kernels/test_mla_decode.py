@@ -74,6 +74,29 @@ def test_rows_past_each_request_are_never_read(R, q, N, L, RD, block, per_req):
 
 
 @pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_token_without_a_slot_attends_the_cached_row(N, L, RD, block, per_req, norm):
+    """The step's rows are attended from kv_c / k_pe, except a token whose slot is -1
+    (not written): stock reads the cache's row at its position, and so does the kernel."""
+    R, q = 3, 2
+    args, scale = _case(R, q, N, L, RD, block, per_req, torch.bfloat16, seed=11)
+    args[5][1] = -1  # request 0's second token
+    args[5][2] = -1  # request 1's first token
+    w = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(1))).bfloat16().to(DEVICE)
+    want_args = [a.clone() for a in args]
+    if norm:
+        from kimi_inductor.stock.attn_res import rms_norm
+
+        want_args[2] = rms_norm(want_args[2], w, 1e-6)
+    want = M.reference(*want_args, scale)
+    mine = [a.clone() for a in args]
+    got = torch.ops.kimi_kernels.mla_decode(*mine, scale, **(dict(kv_norm_weight=w, kv_norm_eps=1e-6) if norm else {}))
+    torch.testing.assert_close(mine[4].float(), want_args[4].float(), rtol=2**-7 if norm else 0, atol=1e-6 if norm else 0)
+    bound = 2**-6 * want.float().abs().amax(-1, keepdim=True) + 1e-6
+    assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
 def test_wide_table_splits_each_request(N, L, RD, block, per_req):
     """A table sized for a far longer max_model_len than the contexts (as vLLM's is):
     each request's positions are split by its own length, down to one BS step each."""
