@@ -30,8 +30,9 @@ their slots; the other splits divide the positions before the step, which every 
 row sees (no causal mask in their loop). So the cache write, stock's cat + indexed write
 (and norm), costs no launch. A token whose slot is not its position's slot in the table
 (slot -1: vLLM's padding) is attended from the cache's row there, as stock reads it
-after its write. DCP and DSA write first with ``_insert_kernel`` (``insert``: one program
-per token) and attend the cache.
+after its write. Where that split does not fit the wave without a BS step more for the
+others (``splits``: 32 requests at 4K), and for DCP and DSA, ``_insert_kernel``
+(``insert``: one program per token, the kv norm applied) writes the rows first.
 
 SPLITS is chosen on the host from static sizes only (request count, the block table's
 capacity), so the op is capturable in CUDA graphs; each program divides its request's
@@ -168,7 +169,8 @@ if triton is not None:
                 # token i of the step: its row from kv_c / k_pe (the kv norm applied, rounded
                 # to the cache's dtype, stored at its slot by the first row group) where its
                 # slot is its position's slot in the table, else the cache's row there (as
-                # stock, which writes before it reads); causal among the step's tokens
+                # stock, which writes before it reads); causal among the step's tokens.
+                # Every load is issued before the store (no round trip after it).
                 i = tl.arange(0, QP)
                 pos = seq - Q + i
                 valid = (i < Q) & (pos >= 0)
@@ -178,24 +180,24 @@ if triton is not None:
                 own = tl.load(table_ptr + r * stride_table + at // BLOCK, mask=valid, other=0).to(tl.int64)
                 own = own * BLOCK + at % BLOCK
                 kv = tl.load(kv_ptr + t[:, None] * stride_kv + dl[None, :], mask=(i < Q)[:, None], other=0.0)
+                kp = tl.load(kpe_ptr + t[:, None] * stride_kpe + dr[None, :],
+                             mask=(i < Q)[:, None] & (dr < R_DIM)[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+                stale = valid & (slot != own)
+                old_kv = tl.load(cache_ptr + own[:, None] * ROW + dl[None, :], mask=stale[:, None], other=0.0)
+                old_kp = tl.load(cache_ptr + own[:, None] * ROW + L + dr[None, :],
+                                 mask=stale[:, None] & (dr < R_DIM)[None, :], other=0.0)
                 if NORM:
                     kv = _kv_rms_norm(kv, norm_ptr, eps, L, NORM_ROUND)
                 kv = kv.to(cache_ptr.dtype.element_ty)
-                kp = tl.load(kpe_ptr + t[:, None] * stride_kpe + dr[None, :],
-                             mask=(i < Q)[:, None] & (dr < R_DIM)[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
                 if tl.program_id(1) == 0:
                     store = (i < Q) & (slot >= 0)
                     tl.store(cache_ptr + slot[:, None] * ROW + dl[None, :], kv, mask=store[:, None])
                     tl.store(cache_ptr + slot[:, None] * ROW + L + dr[None, :], kp,
                              mask=store[:, None] & (dr < R_DIM)[None, :])
-                stale = valid & (slot != own)
-                kv = tl.where(stale[:, None], tl.load(cache_ptr + own[:, None] * ROW + dl[None, :],
-                                                      mask=stale[:, None], other=0.0), kv)
-                kp = tl.where(stale[:, None], tl.load(cache_ptr + own[:, None] * ROW + L + dr[None, :],
-                                                      mask=stale[:, None] & (dr < R_DIM)[None, :], other=0.0), kp)
+                kv = tl.where(stale[:, None], old_kv, kv)
+                kp = tl.where(stale[:, None], old_kp, kp)
                 visible = valid[None, :] & (pos[None, :] <= last[:, None])
                 m, l, acc = _attend_step(qn, qp, kv, kp, visible, m, l, acc, scale, DOT_F32, ROUND)
-                end = start  # no cached positions
         row_kv = tl.arange(0, BS)[:, None] * ROW + dl[None, :]
         row_kp = tl.arange(0, BS)[:, None] * ROW + L + dr[None, :]
         for p0 in range(start, end, BS):
@@ -255,13 +257,14 @@ if triton is not None:
                 tl.store(lse_ptr + row, tl.where(den > 0, top + tl.log(tl.where(den > 0, den, 1.0)), float("-inf")))
 
     @triton.jit
-    def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, block_local, dcp_rank,
+    def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, norm_ptr, eps, block_local, dcp_rank,
                        dcp_size, A: tl.constexpr, B: tl.constexpr, AP: tl.constexpr, BP: tl.constexpr,
-                       ROW: tl.constexpr, PDL: tl.constexpr):
+                       ROW: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         """Program t: token t's row [a | b] (A + B values) stored at its slot of the paged
         cache [blocks, block_local, ROW]; under DCP (``dcp_size`` > 1) global slot ->
         this rank's slot (``stock.dcp.local_slots``), other ranks' positions skipped, as are
-        slots < 0."""
+        slots < 0. With NORM (A a power of two), a is stored as stock's ``rms_norm(a, w,
+        eps)`` (w at ``norm_ptr``; rounded where stock rounds when ROUND)."""
         pdl_wait(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -271,6 +274,8 @@ if triton is not None:
             row = cache_ptr + ((slot // virtual) * block_local + offset // dcp_size) * ROW
             da = tl.arange(0, AP)
             x = tl.load(a_ptr + t * stride_a + da, mask=da < A)
+            if NORM:
+                x = tl.reshape(_kv_rms_norm(tl.reshape(x, [1, AP]), norm_ptr, eps, A, ROUND), [AP])
             tl.store(row + da, x.to(cache_ptr.dtype.element_ty), mask=da < A)
             if B > 0:
                 db = tl.arange(0, BP)
@@ -284,17 +289,20 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = None, dcp_rank: int = 0,
-           dcp_size: int = 1) -> None:
+           dcp_size: int = 1, norm: tuple[Tensor, float] | None = None) -> None:
     """``write_cache(cache, slots, cat([a, b], -1))`` in one launch: a [T, A] (and b [T, B];
-    trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP."""
+    trailing dims flattened) rows, any row stride; ``slots``: ``dcp.local_slots`` of ``slot_mapping`` under DCP.
+    ``norm`` (weight [A], eps): a is written as stock's ``rms_norm(a, weight, eps)``."""
     a, b = (_rows(t) if t is not None else None for t in (a, b))
     T, A = a.shape
     B = 0 if b is None else b.shape[1]
-    assert cache.is_contiguous() and cache.shape[-1] == A + B
+    assert cache.is_contiguous() and cache.shape[-1] == A + B and (norm is None or A & (A - 1) == 0)
     b = a if b is None else b
-    _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, cache.shape[1], dcp_rank,
+    weight, eps = norm if norm is not None else (a, 0.0)
+    _insert_kernel[(T,)](a, a.stride(0), b, b.stride(0), slot_mapping, cache, weight, eps, cache.shape[1], dcp_rank,
                          dcp_size, A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),
-                         ROW=cache.shape[-1], num_warps=1, **pdl(a.device))
+                         ROW=cache.shape[-1], NORM=norm is not None, ROUND=weight.dtype == torch.bfloat16,
+                         num_warps=1, **pdl(a.device))
 
 
 def tiles(bm: int) -> tuple[int, int]:
@@ -312,15 +320,25 @@ def row_block(rows: int) -> int:
 
 def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 64, steps: int = 1,
            fresh: bool = False) -> int:
-    """KV splits per (request, row group), with ``fresh`` the step's own positions' split
-    among them: at most two programs per SM (one wave; a
+    """KV splits per (request, row group): at most two programs per SM (one wave; a
     rounded-up count left a partial second wave: 32 / 64 requests at 4K took 9 / 19 %
     longer, docs/results/mla_layer_h100_v10*.json), chunks of at least ``steps`` BS
     positions of a full table (static sizes only: capturable; the kernel divides each
     request's own length). One step: at 4K context and one request
     128 splits took 9.3 us against 14.3 with chunks of 4 steps (32 splits), the same at
-    8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json."""
-    return max(1, min(2 * SMS // (requests * groups) - fresh, triton.cdiv(capacity, steps * bs), most)) + fresh
+    8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json.
+
+    ``fresh``: the count with the step's own split among them, where it fits the wave
+    without a BS step more for the others; else 0 (the cache is written first, by
+    ``insert``: a step costs more than that launch, 32 rows at 4K took 2.6 % longer
+    with one split fewer, docs/results/session19_h100/mla_layer_fresh.json)."""
+    n = max(1, min(2 * SMS // (requests * groups), triton.cdiv(capacity, steps * bs), most))
+    if not fresh:
+        return n
+    if requests * groups * (n + 1) <= 2 * SMS:
+        return n + 1
+    per = lambda k: triton.cdiv(capacity, k * bs)  # noqa: E731 (BS steps a split streams)
+    return n if n > 1 and per(n - 1) == per(n) else 0
 
 
 def _fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale, kv_norm_weight=None,
@@ -371,6 +389,10 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     capacity = listed[0].shape[1] if listed is not None else block_table.shape[1] * block
     assert fresh is None or (dcp_size == 1 and listed is None)
     n_split = splits(R, groups, capacity, bs, most_splits, steps, fresh is not None)
+    if fresh is not None and not n_split:  # no room for the step's own split: write first
+        insert(kv_cache, fresh[2], fresh[0], fresh[1], norm=fresh[3])
+        return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, bm=bm, bs=bs, most_splits=most_splits,
+                      num_stages=num_stages, steps=steps, num_warps=num_warps)
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
     ml = torch.empty(n_split, T * N, 2, dtype=torch.float32, device=ql_nope.device)
     out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)

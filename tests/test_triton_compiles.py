@@ -252,17 +252,20 @@ def test_triton_moe_in_compiles_for_sm90_to_pipelined_wgmma(M):
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 def test_mla_cache_insert_and_combine_compile_for_sm90():
-    """The cache write of DCP and DSA, and the splits' merge, with PDL as they launch on
-    the H200."""
+    """The MLA cache write (also normalising kv_c, the layer's kv_a RMSNorm) and the
+    splits' merge, with PDL as they launch on the H200."""
     from kimi_inductor.kernels import mla_decode
 
     sig = {"a_ptr": "*bf16", "stride_a": "i32", "b_ptr": "*bf16", "stride_b": "i32", "slot_ptr": "*i64",
-           "cache_ptr": "*bf16", "block_local": "i32", "dcp_rank": "i32", "dcp_size": "i32",
-           **{k: "constexpr" for k in ("A", "B", "AP", "BP", "ROW", "PDL")}}
+           "cache_ptr": "*bf16", "norm_ptr": "*bf16", "eps": "fp32", "block_local": "i32", "dcp_rank": "i32",
+           "dcp_size": "i32", **{k: "constexpr" for k in ("A", "B", "AP", "BP", "ROW", "NORM", "ROUND", "PDL")}}
     assert list(sig) == mla_decode._insert_kernel.arg_names
-    src = ASTSource(mla_decode._insert_kernel, sig, constexprs={"A": 512, "B": 64, "AP": 512, "BP": 64, "ROW": 576,
-                                                                "PDL": True})
-    assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 1}).asm["ptx"]
+    for norm in (False, True):
+        src = ASTSource(mla_decode._insert_kernel, sig, constexprs={"A": 512, "B": 64, "AP": 512, "BP": 64,
+                                                                    "ROW": 576, "NORM": norm, "ROUND": True,
+                                                                    "PDL": True})
+        ptx = triton.compile(src, target=SM90, options={"num_warps": 1}).asm["ptx"]
+        assert "griddepcontrol.wait" in ptx and ("rsqrt" in ptx) == norm
     sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "nrows": "i32",
            "n_split": "i32", **{k: "constexpr" for k in ("L", "BL", "SP", "WITH_LSE", "PDL")}}
     for sp, with_lse in ((32, False), (256, True)):

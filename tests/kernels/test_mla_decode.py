@@ -144,6 +144,9 @@ def test_splits_use_static_sizes_only():
         n = M.splits(requests, 1, 4096)
         assert n == 1 or requests * n <= 2 * M.SMS
     assert [M.row_block(n) for n in (1, 12, 24, 96)] == [16, 16, 32, 64]
+    # the step's own split: beside the others in the wave, in place of one where that
+    # costs them no BS step, else none (the cache written first)
+    assert [M.splits(r, 1, 4096, most=256, fresh=True) for r in (1, 2, 8, 32)] == [129, 129, 33, 0]
 
 
 @pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES)
@@ -190,12 +193,18 @@ def test_insert_takes_views_as_vllm_hands_them():
 
 @pytest.mark.skipif(DEVICE != "cuda" and not M.INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES[:1])
-def test_kv_norm_in_the_cache_write(N, L, RD, block, per_req):
+@pytest.mark.parametrize("room", [True, False])
+def test_kv_norm_in_the_cache_write(N, L, RD, block, per_req, room, monkeypatch):
     """``mla_decode(..., kv_norm_weight=w)``: kv_c before the layer's kv_a RMSNorm, applied
     by the cache write: the rows stock's ``rms_norm`` then write give, within one bf16
-    rounding (the mean of squares sums in another order), and the attention over them."""
+    rounding (the mean of squares sums in another order), and the attention over them.
+    Written by the core's own split where the wave has room for it, else by ``insert``
+    first (here: a GPU of 2 SMs)."""
     from kimi_inductor.stock.attn_res import rms_norm
 
+    if not room:
+        monkeypatch.setattr(M, "SMS", 2)
+    assert bool(M.splits(3, 1, per_req * block, fresh=True)) == room
     args, scale = _case(3, 2, N, L, RD, block, per_req, torch.bfloat16, seed=5)
     w = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(1))).bfloat16().to(DEVICE)
     want_args = [a.clone() for a in args]
