@@ -22,17 +22,17 @@ request) against a chunk of the request's positions:
   log-sum-exp weights and rounds once to bf16: a program per (row, L block) loads every
   split's partial at once ([SPLITS, BL]), so its latency does not grow with the splits.
 
-The step's own rows are attended before they are in the cache: the split kernel gets one
-split more per (request, row group), whose program takes the request's Q fresh positions
+The step's own rows are attended before they are in the cache: the split kernel's last
+split of each (request, row group) takes the request's Q fresh positions
 from kv_c / k_pe (with the layer's kv_a RMSNorm when given, rounded as stock's), attends
 them with the causal mask among the step's tokens, and (first row group) stores them at
 their slots; the other splits divide the positions before the step, which every query
 row sees (no causal mask in their loop). So the cache write, stock's cat + indexed write
 (and norm), costs no launch. A token whose slot is not its position's slot in the table
 (slot -1: vLLM's padding) is attended from the cache's row there, as stock reads it
-after its write. Where that split does not fit the wave without a BS step more for the
-others (``splits``: 32 requests at 4K), and for DCP and DSA, ``_insert_kernel``
-(``insert``: one program per token, the kv norm applied) writes the rows first.
+after its write. Where ``splits`` finds that split no place that measured faster (2, 16,
+32 requests at 4K), and for DCP and DSA, ``_insert_kernel`` (``insert``: one program
+per token, the kv norm applied) writes the rows first.
 
 SPLITS is chosen on the host from static sizes only (request count, the block table's
 capacity), so the op is capturable in CUDA graphs; each program divides its request's
@@ -328,14 +328,18 @@ def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 
     128 splits took 9.3 us against 14.3 with chunks of 4 steps (32 splits), the same at
     8 requests (26.6 us): docs/results/mla_kernel_h200_v2.json.
 
-    ``fresh``: the count with the step's own split among them, where it fits the wave
-    without a BS step more for the others; else 0 (the cache is written first, by
-    ``insert``: a step costs more than that launch, 32 rows at 4K took 2.6 % longer
-    with one split fewer, docs/results/session19_h100/mla_layer_fresh.json)."""
+    ``fresh``: the count with the step's own split among them: one more for a single
+    request (1.1-2.2 % faster at one row on an H100), one in place of the others' last
+    where that costs them no BS step (2.0-2.2 % faster at 8 rows); else 0, and the cache
+    is written first by ``insert``: one split fewer costs a step more than that launch
+    (32 rows at 4K: 2.6 % slower), and one more beside two requests' 128 measured 3.2-4.3
+    % slower at 2 rows, though the kernel alone (no PDL) was faster (unexplained). Side by
+    side on an H100: docs/results/session19_h100/mla_layer_fresh*.json against
+    mla_layer_before_fresh*.json."""
     n = max(1, min(2 * SMS // (requests * groups), triton.cdiv(capacity, steps * bs), most))
     if not fresh:
         return n
-    if requests * groups * (n + 1) <= 2 * SMS:
+    if requests * groups == 1 and n < 2 * SMS:
         return n + 1
     per = lambda k: triton.cdiv(capacity, k * bs)  # noqa: E731 (BS steps a split streams)
     return n if n > 1 and per(n - 1) == per(n) else 0
@@ -388,7 +392,7 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     groups = triton.cdiv(Q * N, bm)
     capacity = listed[0].shape[1] if listed is not None else block_table.shape[1] * block
     assert fresh is None or (dcp_size == 1 and listed is None)
-    n_split = splits(R, groups, capacity, bs, most_splits, steps, fresh is not None)
+    n_split = splits(R, groups, capacity, bs, most_splits, steps, fresh=fresh is not None)
     if fresh is not None and not n_split:  # no room for the step's own split: write first
         insert(kv_cache, fresh[2], fresh[0], fresh[1], norm=fresh[3])
         return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, bm=bm, bs=bs, most_splits=most_splits,
