@@ -206,6 +206,21 @@ def test_insert_takes_views_as_vllm_hands_them():
     assert torch.equal(cache, want)
 
 
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES[:1])
+def test_the_core_takes_views_as_vllm_hands_them(N, L, RD, block, per_req, cache_write):
+    """kv_c a row-strided slice of the fused projection's output and k_pe a [T, 1, R] view
+    of it (vLLM's MLA spelling): the same cache and output as contiguous copies."""
+    args, scale = _case(3, 2, N, L, RD, block, per_req, torch.bfloat16, seed=13)
+    T = args[2].shape[0]
+    fused = torch.randn(T, 8 + L + RD + 8, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEVICE)
+    fused[:, 8:8 + L], fused[:, 8 + L:8 + L + RD] = args[2], args[3]
+    views = [a.clone() for a in args]
+    views[2], views[3] = fused[:, 8:8 + L], fused[:, 8 + L:8 + L + RD].unsqueeze(1)
+    want = torch.ops.kimi_kernels.mla_decode(*args, scale)
+    got = torch.ops.kimi_kernels.mla_decode(*views, scale)
+    assert torch.equal(views[4], args[4]) and torch.equal(got, want)
+
+
 @pytest.mark.skipif(DEVICE != "cuda" and not M.INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES[:1])
 def test_kv_norm_in_the_cache_write(N, L, RD, block, per_req, cache_write):
