@@ -330,10 +330,10 @@ def splits(requests: int, groups: int, capacity: int, bs: int = BS, most: int = 
 
     ``fresh``: the count with the step's own split among them: one more for a single
     request (1.1-2.2 % faster at one row on an H100), one in place of the others' last
-    where that costs them no BS step (2.0-2.2 % faster at 8 rows); else 0, and the cache
+    where that costs them no BS step (1.9-2.2 % faster at 8 rows); else 0, and the cache
     is written first by ``insert``: one split fewer costs a step more than that launch
-    (32 rows at 4K: 2.6 % slower), and one more beside two requests' 128 measured 3.2-4.3
-    % slower at 2 rows, though the kernel alone (no PDL) was faster (unexplained). Side by
+    (32 rows at 4K: 2.6 % slower), and one more beside two requests' 128 each measured
+    3.2-4.3 % slower at 2 rows, though the kernel alone (no PDL) was faster (unexplained). Side by
     side on an H100: docs/results/session19_h100/mla_layer_fresh*.json against
     mla_layer_before_fresh*.json."""
     n = max(1, min(2 * SMS // (requests * groups), triton.cdiv(capacity, steps * bs), most))
@@ -378,9 +378,10 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
     request are read. ``fresh`` (kv_c, k_pe, slot_mapping, kv norm or None; not with DCP or
-    ``listed``): the step's rows are not yet in the cache; one more split per request
-    and row group attends them from kv_c / k_pe and writes them (``insert``'s work, no
-    launch of its own). Tile arguments are for the benchmark's sweep
+    ``listed``): the step's rows are not yet in the cache; a split of their own per
+    request and row group attends them from kv_c / k_pe and writes them (``insert``'s
+    work, no launch of its own), or ``insert`` writes them first where ``splits`` finds
+    that split no place that measured faster. Tile arguments are for the benchmark's sweep
     (``benchmarks/mla_kernel.py``)."""
     T, N, L = ql_nope.shape
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
