@@ -394,10 +394,9 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     capacity = listed[0].shape[1] if listed is not None else block_table.shape[1] * block
     assert fresh is None or (dcp_size == 1 and listed is None)
     n_split = splits(R, groups, capacity, bs, most_splits, steps, fresh=fresh is not None)
-    if fresh is not None and not n_split:  # no room for the step's own split: write first
+    if fresh is not None and not n_split:  # no place for the step's own split: write first
         insert(kv_cache, fresh[2], fresh[0], fresh[1], norm=fresh[3])
-        return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, bm=bm, bs=bs, most_splits=most_splits,
-                      num_stages=num_stages, steps=steps, num_warps=num_warps)
+        fresh, n_split = None, splits(R, groups, capacity, bs, most_splits, steps)
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
     ml = torch.empty(n_split, T * N, 2, dtype=torch.float32, device=ql_nope.device)
     out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)
