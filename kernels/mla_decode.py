@@ -69,7 +69,7 @@ from kimi_inductor.stock.attn_res import rms_norm
 from kimi_inductor.stock.library import REFERENCES
 from kimi_inductor.stock.state import tokens_per_request
 
-from .common import INTERPRET, SMS, pdl, pdl_wait, bf16_round, tl, triton
+from .common import INTERPRET, SMS, arrival_counters, pdl, pdl_wait, bf16_round, tl, triton
 from . import dsa_index
 
 NAMESPACE = "kimi_kernels"
@@ -257,6 +257,49 @@ if triton is not None:
                 tl.store(lse_ptr + row, tl.where(den > 0, top + tl.log(tl.where(den > 0, den, 1.0)), float("-inf")))
 
     @triton.jit
+    def _combine_up_kernel(acc_ptr, ml_ptr, w_ptr, stride_wb, stride_wk, stride_wn, gate_ptr, stride_g, out_ptr,
+                           ws_ptr, cnt_ptr, nrows, n_split, N, V, T: tl.constexpr, L: tl.constexpr,
+                           BL: tl.constexpr, SP: tl.constexpr, VP: tl.constexpr, ROUND: tl.constexpr,
+                           PDL: tl.constexpr):
+        """Program (head h, L block j), for each of the T tokens: the splits' partials of
+        row (token, h) merged over the block as ``_combine_kernel`` does (one rounding:
+        the attention output), times W[h][block, :V] (the v up-projection) -> fp32 [V] in
+        ws[h, j, token]. The head's last program to arrive at cnt[h] sums the blocks in
+        block order (deterministic), rounds (the bmm's output), multiplies by
+        sigmoid(gate[token, h V:(h + 1) V]), rounds and stores out[token, h V:(h + 1) V]."""
+        pdl_wait(PDL)
+        h = tl.program_id(0)
+        j = tl.program_id(1)
+        NB: tl.constexpr = L // BL
+        dl = j * BL + tl.arange(0, BL)
+        dv = tl.arange(0, VP)
+        s = tl.arange(0, SP)
+        live = s < n_split
+        w = tl.load(w_ptr + h * stride_wb + dl[:, None] * stride_wk + dv[None, :] * stride_wn,
+                    mask=(dv < V)[None, :], other=0.0).to(tl.float32)  # [BL, VP]
+        for t in tl.static_range(T):
+            at = s * nrows + t * N + h
+            m = tl.load(ml_ptr + at * 2, mask=live, other=float("-inf"))
+            top = tl.max(m, 0)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            e = tl.exp(m - top)  # 0 for empty splits
+            den = tl.sum(e * tl.load(ml_ptr + at * 2 + 1, mask=live, other=0.0), 0)
+            part = tl.load(acc_ptr + at[:, None].to(tl.int64) * L + dl[None, :], mask=live[:, None], other=0.0)
+            x = tl.sum(e[:, None] * part, 0)
+            x = bf16_round(tl.where(den > 0, x / tl.where(den > 0, den, 1.0), 0.0), ROUND)
+            tl.store(ws_ptr + ((h * NB + j) * T + t) * VP + dv, tl.sum(x[:, None] * w, 0))
+        tl.debug_barrier()  # every thread's partial is written before the arrival
+        arrived = tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == NB - 1:
+            tl.store(cnt_ptr + h, 0)
+            b = tl.arange(0, NB)
+            for t in tl.static_range(T):
+                y = tl.sum(tl.load(ws_ptr + ((h * NB + b)[:, None] * T + t) * VP + dv[None, :], cache_modifier=".cg"), 0)
+                g = tl.load(gate_ptr + t * stride_g + h * V + dv, mask=dv < V, other=0.0).to(tl.float32)
+                y = bf16_round(bf16_round(y, ROUND) * tl.sigmoid(g), ROUND)
+                tl.store(out_ptr + t * N * V + h * V + dv, y.to(out_ptr.dtype.element_ty), mask=dv < V)
+
+    @triton.jit
     def _insert_kernel(a_ptr, stride_a, b_ptr, stride_b, slot_ptr, cache_ptr, norm_ptr, eps, block_local, dcp_rank,
                        dcp_size, A: tl.constexpr, B: tl.constexpr, AP: tl.constexpr, BP: tl.constexpr,
                        ROW: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
@@ -303,6 +346,27 @@ def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = No
                          dcp_size, A=A, B=B, AP=triton.next_power_of_2(A), BP=triton.next_power_of_2(max(B, 1)),
                          ROW=cache.shape[-1], NORM=norm is not None, ROUND=weight.dtype == torch.bfloat16,
                          num_warps=1, **pdl(a.device))
+
+
+# Tokens up to which the splits merge inside the gated v up-projection
+# (``mla_decode_gated``; lower_kernels folds it where ``skinny_bmm_gate`` takes the
+# up-projection, skinny_gemm.FASTEST_BMM_GATE): 0 until it is timed against the merge's
+# own launch in the layer.
+MERGE_INTO_UP = 0
+
+
+def merge_into_up(tokens: int) -> str:
+    """Why the splits' merge stays a launch of its own at ``tokens`` rows ('' when the
+    gated v up-projection takes it)."""
+    if not MERGE_INTO_UP:
+        return "not yet timed against the merge's own launch (mla_decode.MERGE_INTO_UP)"
+    return "" if tokens <= MERGE_INTO_UP else f"{tokens} rows: taken up to {MERGE_INTO_UP} (mla_decode.MERGE_INTO_UP)"
+
+
+def merge_block(L: int, sp: int) -> int:
+    """BL, the latent columns of a merge program: [SP, BL] partials, 32 fp32 values a
+    thread at 4 warps."""
+    return min(L, max(16, 4096 // sp))
 
 
 def tiles(bm: int) -> tuple[int, int]:
@@ -357,12 +421,44 @@ def mla_decode(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cac
                kv_norm_eps: float = 0.0) -> Tensor:
     """With ``kv_norm_weight``: kv_c before its RMSNorm (the layer's kv_a norm), which the
     cache write applies (``insert``): one kernel fewer."""
+    return _decode(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale, kv_norm_weight,
+                   kv_norm_eps)
+
+
+def _gated_fake(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale, w_uv, gate,
+                kv_norm_weight=None, kv_norm_eps=0.0):
+    tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode_gated")
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_decode_gated", mutates_args=("kv_cache",))
+def mla_decode_gated(ql_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                     slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, w_uv: Tensor,
+                     gate: Tensor, kv_norm_weight: Optional[Tensor] = None, kv_norm_eps: float = 0.0) -> Tensor:
+    """``mla_decode`` followed by MLA's v up-projection and output gate
+    (``skinny_bmm_gate(attn^T, w_uv, gate)``: w_uv [N, L, V], gate [T, N V]) -> [T, N V]: the
+    splits' merge is the up-projection's first step (one launch fewer)."""
+    T, N, L = ql_nope.shape
+    if w_uv.shape[:2] != (N, L) or gate.shape != (T, N * w_uv.shape[2]):
+        raise ValueError(f"kimi_kernels.mla_decode_gated: w_uv {tuple(w_uv.shape)} and gate {tuple(gate.shape)} do "
+                         f"not match the query {tuple(ql_nope.shape)}: w_uv [N, L, V] and gate [T, N V]")
+    return _decode(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale, kv_norm_weight,
+                   kv_norm_eps, up=(w_uv, gate if gate.stride(1) == 1 else gate.contiguous()))
+
+
+def _decode(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale, kv_norm_weight,
+            kv_norm_eps, up=None):
     tokens_per_request(ql_nope.shape[0], block_table.shape[0], "kimi_kernels::mla_decode")
     norm = None if kv_norm_weight is None else (kv_norm_weight.contiguous(), kv_norm_eps)
     if not _use_triton(ql_nope, q_pe):
         kv_c = kv_c if norm is None else rms_norm(kv_c, *norm)
-        return reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
-    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, fresh=(kv_c, k_pe, slot_mapping, norm))
+        out = reference(ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, scale)
+        return out if up is None else torch.ops.kimi_kernels.skinny_bmm_gate(out.transpose(0, 1), *up)
+    return attend(ql_nope, q_pe, kv_cache, block_table, seq_lens, scale, fresh=(kv_c, k_pe, slot_mapping, norm),
+                  up=up)
+
+
+mla_decode_gated.register_fake(_gated_fake)
 
 
 def _use_triton(ql_nope: Tensor, q_pe: Tensor) -> bool:
@@ -373,7 +469,8 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
            dcp_rank: int = 0, dcp_size: int = 1, selected: Tensor | None = None, with_lse: bool = False,
            listed: tuple[Tensor, Tensor] | None = None, bm: int | None = None, bs: int | None = None,
            most_splits: int | None = None, num_stages: int = 2, steps: int = 1, num_warps: int | None = None,
-           fresh: tuple[Tensor, Tensor, Tensor, tuple[Tensor, float] | None] | None = None):
+           fresh: tuple[Tensor, Tensor, Tensor, tuple[Tensor, float] | None] | None = None,
+           up: tuple[Tensor, Tensor] | None = None):
     """The Triton attention over the (already written) cache: [T, N, L] in the query
     dtype, or with ``with_lse`` (DCP partials) fp32 [T, N, L] and the LSE [T, N].
     ``listed`` (DSA without DCP: ``dsa_index.positions``): only these positions of each
@@ -381,8 +478,10 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
     ``listed``): the step's rows are not yet in the cache; a split of their own per
     request and row group attends them from kv_c / k_pe and writes them (``insert``'s
     work, no launch of its own), or ``insert`` writes them first where ``splits`` finds
-    that split no place that measured faster. Tile arguments are for the benchmark's sweep
-    (``benchmarks/mla_kernel.py``)."""
+    that split no place that measured faster. ``up`` (W_UV [N, L, V] any strides, gate
+    [T, N V] unit column stride; not with ``with_lse``): the splits merge into the v
+    up-projection and output gate (``_combine_up_kernel``) -> [T, N V]. Tile arguments are
+    for the benchmark's sweep (``benchmarks/mla_kernel.py``)."""
     T, N, L = ql_nope.shape
     R, (_, block, row) = block_table.shape[0], kv_cache.shape
     Q = tokens_per_request(T, R, "kimi_kernels MLA attention")
@@ -421,7 +520,18 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
         ROUND=ql_nope.dtype == torch.bfloat16, num_warps=num_warps or max(4, bm // 4), num_stages=num_stages,
         **launch)
     sp = triton.next_power_of_2(n_split)
-    bl = min(L, max(16, 4096 // sp))  # [SP, BL] partials per program: 32 fp32 values a thread at 4 warps
+    bl = merge_block(L, sp)
+    if up is not None:
+        w, gate = up
+        V = w.shape[2]
+        assert not with_lse and w.shape[:2] == (N, L) and gate.shape == (T, N * V) and gate.stride(1) == 1
+        vp = triton.next_power_of_2(V)
+        out = torch.empty(T, N * V, dtype=ql_nope.dtype, device=ql_nope.device)
+        ws = torch.empty(N * (L // bl) * T * vp, dtype=torch.float32, device=ql_nope.device)
+        _combine_up_kernel[(N, L // bl)](acc, ml, w, *w.stride(), gate, gate.stride(0), out, ws,
+                                         arrival_counters(ql_nope.device, N), T * N, n_split, N, V, T=T, L=L,
+                                         BL=bl, SP=sp, VP=vp, ROUND=ql_nope.dtype == torch.bfloat16, **launch)
+        return out
     _combine_kernel[(T * N, L // bl)](acc, ml, out, lse, T * N, n_split, L=L, BL=bl, SP=sp, WITH_LSE=with_lse,
                                       **launch)
     return (out, lse) if with_lse else out

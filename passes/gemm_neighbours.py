@@ -16,10 +16,12 @@ into one CuTe GEMV (``kimi_kernels.rms_norm_mm`` / ``mm_situ``).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match
 
 from . import roles
@@ -171,3 +173,18 @@ def gated_heads_of(node) -> tuple[fx.Node, fx.Node] | None:
             or kw["dtype"] != bmm.meta["val"].dtype or tuple(kw["gate"].meta["val"].shape) != (M, B * N)):
         return None
     return bmm, kw["gate"]
+
+
+def mla_output_of(x: fx.Node) -> fx.Node | None:
+    """The wrapped ``kimi_kernels.mla_decode`` call when ``x`` is its output [T, N, L] with
+    the heads first ([N, T, L]: a permute or transpose) and the view its one reader; else None."""
+    if len(x.users) != 1 or not ((x.target is aten.permute.default and list(x.args[1]) == [1, 0, 2])
+                                 or (x.target is aten.transpose.int and sorted(x.args[1:]) == [0, 1])):
+        return None
+    item = x.args[0]
+    if item.target is not operator.getitem or item.args[1] != 0 or len(item.users) != 1:
+        return None
+    core = item.args[0]
+    if core.target is not auto_functionalized_v2 or core.args[0] is not torch.ops.kimi_kernels.mla_decode.default:
+        return None
+    return core

@@ -9,6 +9,8 @@ Matches and produces (M = rows, at most 64):
     mm.dtype(x, permute(W), f32)         (router)   kimi_kernels.skinny_mm(x, W, None, f32)
     bmm(x, W)  (MLA absorption, v up-projection)    kimi_kernels.skinny_bmm(x, W)
     output_gate(bmm(x, W) as [M, B N], g)           kimi_kernels.skinny_bmm_gate(x, W, g)  (MLA's v up + gate)
+      with x = kimi_kernels.mla_decode(...)^T       kimi_kernels.mla_decode_gated(..., W, g)  (the core's
+        read by it alone                              merge inside the v up-projection, where measured faster)
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
@@ -64,7 +66,7 @@ from kimi_inductor.kernels import skinny_gemm
 
 from . import moe_projections, moe_router, roles, vllm_kda, vllm_mla
 from .decoder import _between
-from .gemm_neighbours import gated_heads_of, match_gemm, rms_norm_of, situ_of
+from .gemm_neighbours import gated_heads_of, match_gemm, mla_output_of, rms_norm_of, situ_of
 from .graph import OpCall, TritonCall, op_name
 from .report import PassInfo
 
@@ -243,6 +245,17 @@ class LowerKernels:
             if node in gated:  # the v up-projection and the output gate: one launch
                 out, gate = gated[node]
                 why = (not isinstance(M, int) and "symbolic rows") or skinny_gemm.choose_bmm_gate(B, M, K, N, dtype)
+                core = mla_output_of(x)
+                if not why and core is not None:  # and the core's splits merge inside it
+                    why_not = mla_kernel.merge_into_up(M) or _reads_before(core, out)
+                    if not why_not:
+                        new = _merge_into_up(g, dg, core, w, gate, out)
+                        dropped.add(core)
+                        per_node.pop(core, None)
+                        per_node[new] = "mla_gate"
+                        info.rewritten += 1
+                        continue
+                    kept[f"MLA core's merge apart from the v up-projection: {why_not}"] += 1
                 if not why:
                     with g.inserting_before(out):
                         new = g.call_function(kk.skinny_bmm_gate.default, (x, w, gate))
@@ -263,7 +276,7 @@ class LowerKernels:
             g.erase_node(node)
             per_node[new] = "bmm"
             info.rewritten += 1
-        _dead_code_out(g)
+        _dead_code_out(g, dropped)
         info.skipped += [f"{n} x kept: {why}" for why, n in kept.items()]
         _annotate(ctx, per_node)
         return info
@@ -319,6 +332,35 @@ def _replace(dg, call: OpCall | roles.Core, new: fx.Node) -> fx.Node:
     return new
 
 
+def _reads_before(core: fx.Node, out: fx.Node) -> str:
+    """Why ``core``'s other outputs (the new cache) cannot move down to ``out`` ('' when
+    nothing reads them before it)."""
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    early = [u for item in core.users if item.args[1] != 0 for u in item.users if order[u] < order[out]]
+    return f"its cache is read before the output gate ({early[0].name})" if early else ""
+
+
+def _merge_into_up(g: fx.Graph, dg, core: fx.Node, w: fx.Node, gate: fx.Node, out: fx.Node) -> fx.Node:
+    """``kimi_kernels.mla_decode_gated`` (same bases) at ``out``, the output gate of the v
+    up-projection of ``core``'s output: ``out`` and the new cache read from it; the old
+    chain is left unread (dead-code removal takes it)."""
+    with g.inserting_before(out):
+        new = g.call_function(auto_functionalized_v2, (kk.mla_decode_gated.default,),
+                              dict(core.kwargs, w_uv=w, gate=gate))
+        value = g.call_function(operator.getitem, (new, 0))
+    new.meta.update({k: v for k, v in core.meta.items() if k != "eager_input_vals"})
+    new.meta["val"] = (out.meta["val"], *core.meta["val"][1:])
+    value.meta["val"] = out.meta["val"]
+    out.replace_all_uses_with(value)
+    for item in [n for n in core.users if n.args[1] != 0]:
+        with g.inserting_after(value):
+            moved = g.call_function(operator.getitem, (new, item.args[1]))
+        moved.meta["val"] = item.meta["val"]
+        item.replace_all_uses_with(moved)
+    dg.replaced(core, new)
+    return new
+
+
 def _swap(g: fx.Graph, call: OpCall, op, kwargs: dict) -> fx.Node:
     """The wrapped call of ``op`` with ``kwargs`` (same mutated bases) in place of ``call``."""
     with g.inserting_before(call.node):
@@ -342,6 +384,7 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
 
 LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
           "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU", "bmm_gate": "per-head GEMM + gate",
+          "mla_gate": "MLA core + v up-projection + gate",
           "moe_in": "router + latent down + shared gate/up SiTU (one launch)",
           "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one launch)",
           "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}

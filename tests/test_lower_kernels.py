@@ -277,3 +277,29 @@ def test_mla_kv_norm_moves_into_the_cache_write(fake_world):
     # as Inductor re-inplaces it: the op called with its schema's positions (kv_norm_weight, kv_norm_eps last)
     assert len(calls) == 3 and all(n.args[9].op == "placeholder" and n.args[10] == 1e-5 for n in calls)
     assert not any(n.args[2].target is torch.ops.aten.mul.Tensor for n in calls)  # kv_c: not the norm's output
+
+
+@pytest.mark.parametrize("merge_into_up", [2, 1])
+def test_mla_merge_moves_into_the_gated_v_up_projection(monkeypatch, merge_into_up):
+    """Where the v up-projection and output gate are one launch (``skinny_bmm_gate``: here
+    the tiny stack's per-head shape declared measured) and the rows are at most
+    ``MERGE_INTO_UP``, each MLA core and that tail become one ``mla_decode_gated`` (the
+    splits' merge inside the up-projection); above it the report says why not. On CPU the
+    step is bitwise the unfolded one."""
+    from kimi_inductor.kernels import mla_decode as mla_kernel
+    from kimi_inductor.kernels import skinny_gemm
+
+    monkeypatch.setitem(skinny_gemm.FASTEST_BMM_GATE, (8, 32, 16), 2)  # tiny: 8 heads, L 32, V 16
+    monkeypatch.setattr(mla_kernel, "MERGE_INTO_UP", merge_into_up)
+    graphs = {}
+    backend, out = compile_tiny("tiny", q=1, requests=2, padding=0,
+                                observer=lambda stage, gm: graphs.setdefault(stage, gm.graph))
+    targets = [n.target for n in graphs["after lower_kernels"].nodes]  # re-inplaced, as Inductor leaves them
+    kk = torch.ops.kimi_kernels
+    folded = merge_into_up >= 2
+    assert targets.count(kk.mla_decode_gated.default) == (3 if folded else 0)
+    assert targets.count(kk.mla_decode.default) == (0 if folded else 3)
+    info = next(p for p in backend.report.passes if p.name == "lower_kernels")
+    assert folded or any("merge apart from the v up-projection: 2 rows: taken up to 1" in s for s in info.skipped)
+    monkeypatch.setattr(mla_kernel, "MERGE_INTO_UP", 0)
+    assert torch.equal(compile_tiny("tiny", q=1, requests=2, padding=0)[1], out)

@@ -274,6 +274,26 @@ def test_mla_cache_insert_and_combine_compile_for_sm90():
         assert "griddepcontrol.wait" in triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
 
 
+
+@pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_mla_merge_inside_the_gated_v_up_projection_compiles_for_sm90(tokens):
+    """``mla_decode_gated``'s merge: 129 splits (one row at 4K with the fresh split), K3's
+    TP8 heads (L 512, V 128), the head's last program to arrive summing its blocks."""
+    from kimi_inductor.kernels import mla_decode
+
+    sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "w_ptr": "*bf16", "stride_wb": "i32", "stride_wk": "i32",
+           "stride_wn": "i32", "gate_ptr": "*bf16", "stride_g": "i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "nrows": "i32", "n_split": "i32", "N": "i32", "V": "i32",
+           **{k: "constexpr" for k in ("T", "L", "BL", "SP", "VP", "ROUND", "PDL")}}
+    assert list(sig) == mla_decode._combine_up_kernel.arg_names
+    src = ASTSource(mla_decode._combine_up_kernel, sig, constexprs={
+        "T": tokens, "L": 512, "BL": mla_decode.merge_block(512, 256), "SP": 256, "VP": 128, "ROUND": True,
+        "PDL": True})
+    ptx = triton.compile(src, target=SM90, options={"num_warps": 4}).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "atom.global.gpu.acq_rel.add" in ptx
+
+
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
 @pytest.mark.parametrize("has_list, fresh", [(False, True), (True, False)])
 def test_mla_split_kernel_compiles_for_sm90(has_list, fresh):

@@ -29,7 +29,7 @@ NAME = "kimi"
 
 ATTN_RES = {kimi.attn_res.default, kk.attn_res.default}
 CORES = {kimi.kda_decode.default: "kda", kk.kda_decode.default: "kda",
-         kimi.mla_decode.default: "mla", kk.mla_decode.default: "mla",
+         kimi.mla_decode.default: "mla", kk.mla_decode.default: "mla", kk.mla_decode_gated.default: "mla",
          kimi.mla_decode_dcp.default: "mla", kk.mla_decode_dcp.default: "mla",
          kimi.dsa_decode.default: "dsa", kk.dsa_decode.default: "dsa"}
 DCP_CORES = {kimi.mla_decode_dcp.default, kk.mla_decode_dcp.default}

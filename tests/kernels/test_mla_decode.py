@@ -239,3 +239,38 @@ def test_kv_norm_in_the_cache_write(N, L, RD, block, per_req, cache_write):
     torch.testing.assert_close(mine[4].float(), want_args[4].float(), rtol=2**-7, atol=1e-6)
     bound = 2**-6 * want.float().abs().amax(-1, keepdim=True) + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("N, L, RD, block, per_req", SHAPES[:1])
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_merge_inside_the_gated_v_up_projection(R, N, L, RD, block, per_req, dtype, cache_write, monkeypatch):
+    """``mla_decode_gated``: the splits merged inside MLA's v up-projection and output
+    gate. The cache writes equal ``mla_decode``'s; the result is stock's tail
+    (``output_gate`` of the rounded bmm) on ``mla_decode``'s output within one ulp of each
+    rounding (the product's fp32 sums differ in order), zero for the padding request, and
+    bitwise the same when called again (the arrival counters reset). On the CPU the
+    latent is split in two merge blocks (the GPU's 512 in 32), so the head's last program
+    sums blocks of others."""
+    from kimi_inductor.stock.mla import output_gate
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(M, "merge_block", lambda L, sp: L // 2)
+
+    args, scale = _case(R, 1, N, L, RD, block, per_req, dtype, seed=R)
+    V = 128 if DEVICE == "cuda" else 24  # not a power of two on the CPU: the masked columns
+    g = torch.Generator().manual_seed(R)
+    w = (torch.randn(N, V, L + 8, generator=g) * L**-0.5).to(dtype).to(DEVICE)[..., :L].transpose(1, 2)
+    gate = torch.randn(R, N * V + 16, generator=g).to(dtype).to(DEVICE)[:, 8:8 + N * V]
+    plain, fused = [a.clone() for a in args], [a.clone() for a in args]
+    attn = torch.ops.kimi_kernels.mla_decode(*plain, scale)
+    got = torch.ops.kimi_kernels.mla_decode_gated(*fused, scale, w, gate)
+    assert torch.equal(fused[4], plain[4])
+    want = output_gate((attn.float().transpose(0, 1) @ w.float()).to(dtype).transpose(0, 1).reshape(R, N * V), gate)
+    assert got.shape == want.shape and got.dtype == dtype and not got[-1].any()
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs().clamp_min(1.0) + 1e-3).all()
+    assert torch.equal(torch.ops.kimi_kernels.mla_decode_gated(*[a.clone() for a in args], scale, w, gate), got)
+    assert not M.arrival_counters(got.device, N)[:N].any()
+    with pytest.raises(ValueError, match="gate \\[T, N V\\]"):
+        torch.ops.kimi_kernels.mla_decode_gated(*args, scale, w, gate[:, :-8])
