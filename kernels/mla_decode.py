@@ -349,9 +349,8 @@ def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = No
 
 
 # Tokens up to which the splits merge inside the gated v up-projection
-# (``mla_decode_gated``; lower_kernels folds it where ``skinny_bmm_gate`` takes the
-# up-projection, skinny_gemm.FASTEST_BMM_GATE): 0 until it is timed against the merge's
-# own launch in the layer.
+# (``mla_decode_gated``, in place of the merge and ``skinny_bmm_gate`` or the bmm and
+# gate): 0 until it is timed in the layer.
 MERGE_INTO_UP = 0
 
 

@@ -245,8 +245,8 @@ class LowerKernels:
             if node in gated:  # the v up-projection and the output gate: one launch
                 out, gate = gated[node]
                 why = (not isinstance(M, int) and "symbolic rows") or skinny_gemm.choose_bmm_gate(B, M, K, N, dtype)
-                core = mla_output_of(x)
-                if not why and core is not None:  # and the core's splits merge inside it
+                core = mla_output_of(x) if isinstance(M, int) else None
+                if core is not None:  # the core's splits merge inside the up-projection
                     why_not = mla_kernel.merge_into_up(M) or _reads_before(core, out)
                     if not why_not:
                         new = _merge_into_up(g, dg, core, w, gate, out)

@@ -281,15 +281,13 @@ def test_mla_kv_norm_moves_into_the_cache_write(fake_world):
 
 @pytest.mark.parametrize("merge_into_up", [2, 1])
 def test_mla_merge_moves_into_the_gated_v_up_projection(monkeypatch, merge_into_up):
-    """Where the v up-projection and output gate are one launch (``skinny_bmm_gate``: here
-    the tiny stack's per-head shape declared measured) and the rows are at most
-    ``MERGE_INTO_UP``, each MLA core and that tail become one ``mla_decode_gated`` (the
-    splits' merge inside the up-projection); above it the report says why not. On CPU the
-    step is bitwise the unfolded one."""
+    """Up to ``MERGE_INTO_UP`` rows each MLA core and its tail (the v up-projection read
+    only by the output gate) become one ``mla_decode_gated`` (the splits' merge inside the
+    up-projection), whether or not ``skinny_bmm_gate`` would take the tail (at the tiny
+    stack's shapes it would not); above it the report says why not. On CPU the step is
+    bitwise the unfolded one."""
     from kimi_inductor.kernels import mla_decode as mla_kernel
-    from kimi_inductor.kernels import skinny_gemm
 
-    monkeypatch.setitem(skinny_gemm.FASTEST_BMM_GATE, (8, 32, 16), 2)  # tiny: 8 heads, L 32, V 16
     monkeypatch.setattr(mla_kernel, "MERGE_INTO_UP", merge_into_up)
     graphs = {}
     backend, out = compile_tiny("tiny", q=1, requests=2, padding=0,
