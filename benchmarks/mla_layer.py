@@ -11,6 +11,7 @@ the top-k latent rows, activations), inside CUDA graphs.
     python benchmarks/mla_layer.py --rows 1 8 32 64 --q 1 4 --context 4096 --json mla.json
     python benchmarks/mla_layer.py --kind dsa --rows 1 8 32 64 --q 1 --context 8192 --json dsa.json
     python benchmarks/mla_layer.py --rows 1 2 8 --q 1 --bmm-ab --json X  # per-head GEMM lowerings switched off
+    python benchmarks/mla_layer.py --rows 1 2 8 --q 1 --merge-ab --json X  # the split merge in the v up-projection
     python benchmarks/mla_layer.py --rows 8 32 --q 1 --capacity 32768 --json X  # a table sized like vLLM's
     python benchmarks/mla_layer.py --smoke [--kind dsa]   # CPU, tiny shapes: checks the script runs
 """
@@ -30,6 +31,7 @@ from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: 
 from step_breakdown import kernel_table  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
+from kimi_inductor.kernels import mla_decode as mla_kernel  # noqa: E402
 from kimi_inductor.kernels import skinny_gemm  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
 from kimi_inductor.stock import DecodeStep, KimiK3Config, Parallel  # noqa: E402
@@ -37,24 +39,29 @@ from kimi_inductor.stock.dsa import SparseLatentAttention  # noqa: E402
 from kimi_inductor.stock.mla import MultiHeadLatentAttention  # noqa: E402
 
 
-# kimi_specialized with per-head GEMM lowerings switched off, timed beside it (--bmm-ab): the
-# skinny_gemm tables each variant compiles with
+# kimi_specialized with other dispatch tables, timed beside it: name -> (module, the values
+# the variant compiles with). --bmm-ab: per-head GEMM lowerings switched off; --merge-ab:
+# the core's split merge in the gated v up-projection at every row count, or never.
 BMM_VARIANTS = {
-    "gate_unfused": {"FASTEST_BMM_GATE": {}},  # the v up-projection on our bmm, then Inductor's copy + gate
-    "cublas_bmm": {"FASTEST_BMM": {}, "FASTEST_BMM_GATE": {}},  # every per-head GEMM on cuBLAS
+    "gate_unfused": (skinny_gemm, {"FASTEST_BMM_GATE": {}}),  # our bmm, then Inductor's copy + gate
+    "cublas_bmm": (skinny_gemm, {"FASTEST_BMM": {}, "FASTEST_BMM_GATE": {}}),  # every per-head GEMM on cuBLAS
+}
+MERGE_VARIANTS = {
+    "merge_in_up": (mla_kernel, {"MERGE_INTO_UP": 64}),
+    "merge_apart": (mla_kernel, {"MERGE_INTO_UP": 0}),
 }
 
 
 @contextlib.contextmanager
-def bmm_tables(**tables):
-    saved = {name: getattr(skinny_gemm, name) for name in tables}
-    for name, table in tables.items():
-        setattr(skinny_gemm, name, table)
+def patched(module, values):
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for name, table in saved.items():
-            setattr(skinny_gemm, name, table)
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def random_params(layer, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
@@ -80,6 +87,8 @@ def main(argv=None) -> Results:
                    help="also list kimi_specialized's kernels per row count (take it with KIMI_INDUCTOR_PDL=0)")
     p.add_argument("--bmm-ab", action="store_true",
                    help=f"also time kimi_specialized with per-head GEMM lowerings off: {', '.join(BMM_VARIANTS)}")
+    p.add_argument("--merge-ab", action="store_true",
+                   help=f"also time kimi_specialized with the MLA merge moved: {', '.join(MERGE_VARIANTS)}")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -127,10 +136,11 @@ def main(argv=None) -> Results:
             err = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
             require_rewritten(backend, "mla_layer")
             variants = {}
-            for name, tables in BMM_VARIANTS.items() if args.bmm_ab else ():
+            chosen = {**(BMM_VARIANTS if args.bmm_ab else {}), **(MERGE_VARIANTS if args.merge_ab else {})}
+            for name, (module, values) in chosen.items():
                 variant = KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"})
                 variants[name] = fn = torch.compile(step, backend=variant, dynamic=False)
-                with bmm_tables(**tables):  # compiled at its first call
+                with patched(module, values):  # compiled at its first call
                     out = fn(copies[0], x, slots, table, seq_lens, tuple(c.clone() for c in caches[0])).float()
                 require_rewritten(variant, "mla_layer")  # compiled, not a cache hit of kimi's code
                 err = max(err, float(((out - want).norm(dim=-1) / want.norm(dim=-1)).max()))
