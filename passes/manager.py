@@ -7,9 +7,11 @@ A layer fragment (``decoder.py``: layers without the decoder) gets the passes wh
 rewrites are local (``FRAGMENT_PASSES``).
 
 ``KimiPasses`` is a ``CustomGraphPass``: its ``uuid()`` hashes the source of every
-module the rewrites depend on (passes, stock, kernels, recursively) plus the options, so Inductor's FX graph cache never
-returns a graph compiled by other passes or settings (on a cache hit the passes do
-not run and the report says so).
+module the rewrites depend on (passes, stock, kernels, recursively), the options and the
+dispatch tables as they are now (``dispatch_tables``: a table changed at run time, as a
+benchmark's A/B variant or a user's retuning does, changes what the passes emit), so
+Inductor's FX graph cache never returns a graph compiled by other passes or settings
+(on a cache hit the passes do not run and the report says so).
 
 Logging: ``TORCH_LOGS=kimi_inductor`` prints the report of every compiled graph;
 ``TORCH_LOGS=kimi_graphs`` also dumps each pass's graph before and after.
@@ -18,6 +20,7 @@ Logging: ``TORCH_LOGS=kimi_inductor`` prints the report of every compiled graph;
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -160,15 +163,27 @@ class KimiPasses(CustomGraphPass):
         folders = (Path(__file__).parent, Path(kimi_inductor.stock.__file__).parent,
                    Path(kimi_inductor.kernels.__file__).parent)
         files = [f for folder in folders for f in sorted(folder.rglob("*.py"))]
-        return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json())
+        return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json() + dispatch_tables())
 
 
-def _dcp_note(layer) -> dict[str, str]:
-    if layer.dcp in (1, None):
-        return {}
-    return {"dcp": f"DCP {layer.dcp}: latent cache interleaved over the ranks (position p on rank p % "
-                   f"{layer.dcp}), query-head all-gather, LSE combine + reduce-scatter over heads"}
+def dispatch_tables() -> str:
+    """The upper-case module globals of our passes and kernels holding plain values (the
+    tables and limits their choices read: ``skinny_gemm.FASTEST``,
+    ``mla_decode.MERGE_INTO_UP``, ...) in a canonical text (sets sorted), as they are in
+    this process."""
+    def plain(v):  # a canonical form, or None where v holds code (ops, dtypes, functions)
+        if isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (tuple, list, set, frozenset)):
+            items = [plain(x) for x in v]
+            ok = None not in items
+            return (sorted(map(repr, items)) if isinstance(v, (set, frozenset)) else items) if ok else None
+        if isinstance(v, dict):
+            items = [(plain(k), plain(x)) for k, x in v.items()]
+            return sorted(map(repr, items)) if all(None not in kv for kv in items) else None
+        return None
 
-
-def _readable(gm: fx.GraphModule) -> str:
-    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    prefixes = ("kimi_inductor.kernels.", "kimi_inductor.passes.")
+    tables = {name: {k: p for k, v in sorted(vars(mod).items()) if k.isupper() and (p := plain(v)) is not None}
+              for name, mod in sorted(sys.modules.items()) if name.startswith(prefixes) and mod is not None}
+    return repr(tables)

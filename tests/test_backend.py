@@ -172,10 +172,20 @@ def test_inductor_kernels_take_pdl_unless_turned_off(monkeypatch):
     assert _inductor_pdl() == {}
 
 
-def test_pass_uuid_covers_options():
+def test_pass_uuid_covers_options_and_dispatch_tables(monkeypatch):
+    """Inductor's FX graph cache keys on the uuid: options and dispatch tables changed at
+    run time (a benchmark's A/B variant) must not return the graph the other setting made."""
+    from kimi_inductor.kernels import mla_decode, skinny_gemm
+
     a = KimiPasses(Options.from_mapping({}), MatchReport())
     b = KimiPasses(Options.from_mapping({"decode": {"tp": 2}}), MatchReport())
     assert a.uuid() == KimiPasses(Options(), MatchReport()).uuid() and a.uuid() != b.uuid()
+    monkeypatch.setattr(mla_decode, "MERGE_INTO_UP", mla_decode.MERGE_INTO_UP + 1)
+    merged = a.uuid()
+    monkeypatch.setitem(skinny_gemm.FASTEST_BMM_GATE, (12, 512, 128), 64)
+    assert len({a.uuid(), merged, KimiPasses(Options(), MatchReport()).uuid()}) == 2 and a.uuid() != merged
+    monkeypatch.undo()
+    assert a.uuid() == KimiPasses(Options(), MatchReport()).uuid()
     assert Options.from_mapping({"decode": {"capture_sizes": [8]}}).decode == DecodeSettings(capture_sizes=(8,))
 
 
