@@ -350,15 +350,16 @@ def insert(cache: Tensor, slot_mapping: Tensor, a: Tensor, b: Tensor | None = No
 
 # Tokens up to which the splits merge inside the gated v up-projection
 # (``mla_decode_gated``, in place of the merge and ``skinny_bmm_gate`` or the bmm and
-# gate): 0 until it is timed in the layer.
-MERGE_INTO_UP = 0
+# gate). Timed in the layer beside the merge's own launch (benchmarks/mla_layer.py
+# --merge-ab, H100, docs/results/session20_h100/mla_layer_merge_ab.json and
+# mla_layer_ab_triton_gemv*.json): 2.1-4.4 % faster at one row; 2.3-4.3 % slower at two,
+# 32 % at eight.
+MERGE_INTO_UP = 1
 
 
 def merge_into_up(tokens: int) -> str:
     """Why the splits' merge stays a launch of its own at ``tokens`` rows ('' when the
     gated v up-projection takes it)."""
-    if not MERGE_INTO_UP:
-        return "not yet timed against the merge's own launch (mla_decode.MERGE_INTO_UP)"
     return "" if tokens <= MERGE_INTO_UP else f"{tokens} rows: taken up to {MERGE_INTO_UP} (mla_decode.MERGE_INTO_UP)"
 
 

@@ -187,3 +187,14 @@ def dispatch_tables() -> str:
     tables = {name: {k: p for k, v in sorted(vars(mod).items()) if k.isupper() and (p := plain(v)) is not None}
               for name, mod in sorted(sys.modules.items()) if name.startswith(prefixes) and mod is not None}
     return repr(tables)
+
+
+def _dcp_note(layer) -> dict[str, str]:
+    if layer.dcp in (1, None):
+        return {}
+    return {"dcp": f"DCP {layer.dcp}: latent cache interleaved over the ranks (position p on rank p % "
+                   f"{layer.dcp}), query-head all-gather, LSE combine + reduce-scatter over heads"}
+
+
+def _readable(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
