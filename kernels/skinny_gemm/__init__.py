@@ -81,7 +81,9 @@ FASTEST_BMM: dict[tuple[int, int, int], int] = {
 # (``skinny_bmm_gate``: one launch in place of the bmm, the heads' layout copy and the gate).
 # Timed in the layer against the bmm followed by Inductor's copy and gate, side by side on
 # an H100 (docs/results/session19_h100/mla_layer_bmm_ab.json): 47.36 / 56.55 us against
-# 47.33 / 56.72 at 1 / 2 rows (equal within 0.3 %); kept for the launch it saves.
+# 47.33 / 56.72 at 1 / 2 rows (equal within 0.3 %); kept for the launch it saves. That
+# variant ran in the benchmark's process and Inductor's cache served it main's graph
+# (fixed in session 20: docs/performance.md), so the comparison is still to be made.
 FASTEST_BMM_GATE: dict[tuple[int, int, int], int] = {
     (12, 512, 128): 2,
 }
