@@ -233,6 +233,20 @@ if triton is not None:
         tl.store(ml_ptr + (split * nrows + out_rows) * 2 + 1, l, mask=rmask)
 
     @triton.jit
+    def _merge(acc_ptr, ml_ptr, at, live, dl, L: tl.constexpr):
+        """One row's split partials (indices ``at`` [SP], ``live`` ones written) over columns
+        dl merged with their log-sum-exp weights: (fp32 output, 0 where nothing was
+        attended; the largest max; the weighted sum of the splits' sums)."""
+        m = tl.load(ml_ptr + at * 2, mask=live, other=float("-inf"))
+        top = tl.max(m, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m - top)  # 0 for empty splits
+        den = tl.sum(w * tl.load(ml_ptr + at * 2 + 1, mask=live, other=0.0), 0)
+        part = tl.load(acc_ptr + at[:, None].to(tl.int64) * L + dl[None, :], mask=live[:, None], other=0.0)
+        num = tl.sum(w[:, None] * part, 0)
+        return tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0), top, den
+
+    @triton.jit
     def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lse_ptr, nrows, n_split, L: tl.constexpr, BL: tl.constexpr,
                         SP: tl.constexpr, WITH_LSE: tl.constexpr, PDL: tl.constexpr):
         """Program (row, L block): the splits' partials [SP, BL] loaded at once (no loop
@@ -241,16 +255,7 @@ if triton is not None:
         row = tl.program_id(0)
         dl = tl.program_id(1) * BL + tl.arange(0, BL)
         s = tl.arange(0, SP)
-        live = s < n_split
-        at = s * nrows + row
-        m = tl.load(ml_ptr + at * 2, mask=live, other=float("-inf"))
-        top = tl.max(m, 0)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        w = tl.exp(m - top)  # 0 for empty splits
-        den = tl.sum(w * tl.load(ml_ptr + at * 2 + 1, mask=live, other=0.0), 0)
-        part = tl.load(acc_ptr + at[:, None].to(tl.int64) * L + dl[None, :], mask=live[:, None], other=0.0)
-        num = tl.sum(w[:, None] * part, 0)
-        out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+        out, top, den = _merge(acc_ptr, ml_ptr, s * nrows + row, s < n_split, dl, L)
         tl.store(out_ptr + row.to(tl.int64) * L + dl, out.to(out_ptr.dtype.element_ty))
         if WITH_LSE:
             if tl.program_id(1) == 0:
@@ -262,7 +267,7 @@ if triton is not None:
                            BL: tl.constexpr, SP: tl.constexpr, VP: tl.constexpr, ROUND: tl.constexpr,
                            PDL: tl.constexpr):
         """Program (head h, L block j), for each of the T tokens: the splits' partials of
-        row (token, h) merged over the block as ``_combine_kernel`` does (one rounding:
+        row (token, h) merged over the block (``_merge``, as ``_combine_kernel``; one rounding:
         the attention output), times W[h][block, :V] (the v up-projection) -> fp32 [V] in
         ws[h, j, token]. The head's last program to arrive at cnt[h] sums the blocks in
         block order (deterministic), rounds (the bmm's output), multiplies by
@@ -278,15 +283,7 @@ if triton is not None:
         w = tl.load(w_ptr + h * stride_wb + dl[:, None] * stride_wk + dv[None, :] * stride_wn,
                     mask=(dv < V)[None, :], other=0.0).to(tl.float32)  # [BL, VP]
         for t in tl.static_range(T):
-            at = s * nrows + t * N + h
-            m = tl.load(ml_ptr + at * 2, mask=live, other=float("-inf"))
-            top = tl.max(m, 0)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            e = tl.exp(m - top)  # 0 for empty splits
-            den = tl.sum(e * tl.load(ml_ptr + at * 2 + 1, mask=live, other=0.0), 0)
-            part = tl.load(acc_ptr + at[:, None].to(tl.int64) * L + dl[None, :], mask=live[:, None], other=0.0)
-            x = tl.sum(e[:, None] * part, 0)
-            x = bf16_round(tl.where(den > 0, x / tl.where(den > 0, den, 1.0), 0.0), ROUND)
+            x = bf16_round(_merge(acc_ptr, ml_ptr, s * nrows + t * N + h, live, dl, L)[0], ROUND)
             tl.store(ws_ptr + ((h * NB + j) * T + t) * VP + dv, tl.sum(x[:, None] * w, 0))
         tl.debug_barrier()  # every thread's partial is written before the arrival
         arrived = tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu")
