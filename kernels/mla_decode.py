@@ -495,8 +495,6 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
         fresh, n_split = None, splits(R, groups, capacity, bs, most_splits, steps)
     acc = torch.empty(n_split, T * N, L, dtype=torch.float32, device=ql_nope.device)
     ml = torch.empty(n_split, T * N, 2, dtype=torch.float32, device=ql_nope.device)
-    out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)
-    lse = torch.empty(T, N, dtype=torch.float32, device=ql_nope.device) if with_lse else out
     sel = selected.view(torch.uint8) if selected is not None else seq_lens
     plist, counts = listed if listed is not None else (block_table, seq_lens)
     R_DIM = q_pe.shape[-1]
@@ -529,6 +527,8 @@ def attend(ql_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                                          arrival_counters(ql_nope.device, N), T * N, n_split, N, V, T=T, L=L,
                                          BL=bl, SP=sp, VP=vp, ROUND=ql_nope.dtype == torch.bfloat16, **launch)
         return out
+    out = torch.empty(T, N, L, dtype=torch.float32 if with_lse else ql_nope.dtype, device=ql_nope.device)
+    lse = torch.empty(T, N, dtype=torch.float32, device=ql_nope.device) if with_lse else out
     _combine_kernel[(T * N, L // bl)](acc, ml, out, lse, T * N, n_split, L=L, BL=bl, SP=sp, WITH_LSE=with_lse,
                                       **launch)
     return (out, lse) if with_lse else out
