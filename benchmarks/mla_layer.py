@@ -10,7 +10,7 @@ the top-k latent rows, activations), inside CUDA graphs.
 
     python benchmarks/mla_layer.py --rows 1 8 32 64 --q 1 4 --context 4096 --json mla.json
     python benchmarks/mla_layer.py --kind dsa --rows 1 8 32 64 --q 1 --context 8192 --json dsa.json
-    python benchmarks/mla_layer.py --rows 1 2 8 --q 1 --bmm-ab --json X  # per-head GEMM lowerings switched off
+    python benchmarks/mla_layer.py --rows 1 2 8 --q 1 --bmm-ab --json X  # per-head GEMM lowerings off / everywhere
     python benchmarks/mla_layer.py --rows 1 2 8 --q 1 --merge-ab --json X  # the split merge in the v up-projection
     python benchmarks/mla_layer.py --rows 8 32 --q 1 --capacity 32768 --json X  # a table sized like vLLM's
     python benchmarks/mla_layer.py --smoke [--kind dsa]   # CPU, tiny shapes: checks the script runs
@@ -40,11 +40,13 @@ from kimi_inductor.stock.mla import MultiHeadLatentAttention  # noqa: E402
 
 
 # kimi_specialized with other dispatch tables, timed beside it: name -> (module, the values
-# the variant compiles with). --bmm-ab: per-head GEMM lowerings switched off; --merge-ab:
+# the variant compiles with). --bmm-ab: per-head GEMM lowerings switched off, or on at every row count; --merge-ab:
 # the core's split merge in the gated v up-projection at every row count, or never.
 BMM_VARIANTS = {
     "gate_unfused": (skinny_gemm, {"FASTEST_BMM_GATE": {}}),  # our bmm, then Inductor's copy + gate
     "cublas_bmm": (skinny_gemm, {"FASTEST_BMM": {}, "FASTEST_BMM_GATE": {}}),  # every per-head GEMM on cuBLAS
+    "ours_bmm": (skinny_gemm, {"FASTEST_BMM": {(12, 128, 512): 64, (12, 512, 128): 64},  # ours at every row
+                               "FASTEST_BMM_GATE": {(12, 512, 128): 64}}),                # count, gate fused
 }
 MERGE_VARIANTS = {
     "merge_in_up": (mla_kernel, {"MERGE_INTO_UP": 64}),
@@ -86,7 +88,7 @@ def main(argv=None) -> Results:
     p.add_argument("--profile", action="store_true",
                    help="also list kimi_specialized's kernels per row count (take it with KIMI_INDUCTOR_PDL=0)")
     p.add_argument("--bmm-ab", action="store_true",
-                   help=f"also time kimi_specialized with per-head GEMM lowerings off: {', '.join(BMM_VARIANTS)}")
+                   help=f"also time kimi_specialized with our per-head GEMMs nowhere / everywhere: {', '.join(BMM_VARIANTS)}")
     p.add_argument("--merge-ab", action="store_true",
                    help=f"also time kimi_specialized with the MLA merge moved: {', '.join(MERGE_VARIANTS)}")
     p.add_argument("--json")

@@ -31,7 +31,7 @@ Their CPU references are the stock functions composed with ``reference``.
 ``kimi_kernels::skinny_bmm``: ``x @ W`` per head, x [B, M, K] and W [B, K, N] with any
 strides (MLA's absorption W_UK and v up-projection W_UV^T, views of kv_b), fp32 accumulation, one
 rounding, as ``torch.bmm``; the Triton ``tl_dot.run_bmm`` where it measured faster than
-cuBLAS in the layer on H200 (``FASTEST_BMM``: it launches with PDL, cuBLAS does not).
+cuBLAS in the layer (``FASTEST_BMM``: it launches with PDL, cuBLAS does not).
 """
 
 from __future__ import annotations
@@ -69,21 +69,21 @@ FASTEST: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     (7168, 6144): ((4, "cute_gemv"), (64, "tl_dot")),  # shared experts down (SP, replicated)
 }
 
-BMM_RESULTS = "docs/results/mla_layer_h200_v8.json"
+BMM_RESULTS = "docs/results/session21_h100/mla_layer_bmm_ab.json"
 # (B, K, N) -> up to M rows: where the MLA layer ran faster with ``tl_dot.run_bmm`` than
-# with cuBLAS's bmm, side by side (benchmarks/mla_layer.py --bmm-ab, BMM_RESULTS: 1.03x at
-# one row, 0.997-1.0 from 2 to 64 rows)
+# with cuBLAS's bmm, side by side in one process, each variant compiled on its own
+# (benchmarks/mla_layer.py --bmm-ab, BMM_RESULTS, H100 with CuTe GEMVs): every per-head
+# GEMM on cuBLAS is 2.1 / 2.8 % slower at 1 / 2 rows (with the gated form below at 2);
+# ours for both at every row count equals this table at 2 rows (57.05 against 57.24 us)
+# and is 17 % slower at 8 (87.57 against 75.06)
 FASTEST_BMM: dict[tuple[int, int, int], int] = {
     (12, 128, 512): 1,  # MLA absorption, TP8 (12 heads)
     (12, 512, 128): 1,  # MLA v up-projection
 }
 # (B, K, N) -> up to M rows: the v up-projection with MLA's output gate in its epilogue
 # (``skinny_bmm_gate``: one launch in place of the bmm, the heads' layout copy and the gate).
-# Timed in the layer against the bmm followed by Inductor's copy and gate, side by side on
-# an H100 (docs/results/session19_h100/mla_layer_bmm_ab.json): 47.36 / 56.55 us against
-# 47.33 / 56.72 at 1 / 2 rows (equal within 0.3 %); kept for the launch it saves. That
-# variant ran in the benchmark's process and Inductor's cache served it main's graph
-# (fixed in session 20: docs/performance.md), so the comparison is still to be made.
+# The bmm followed by Inductor's copy and gate instead (same run): 0.8 / 2.7 % slower at
+# 1 / 2 rows (46.18 / 58.76 against 45.82 / 57.24 us).
 FASTEST_BMM_GATE: dict[tuple[int, int, int], int] = {
     (12, 512, 128): 2,
 }
