@@ -88,7 +88,7 @@ def main(argv=None) -> Results:
     p.add_argument("--profile", action="store_true",
                    help="also list kimi_specialized's kernels per row count (take it with KIMI_INDUCTOR_PDL=0)")
     p.add_argument("--bmm-ab", action="store_true",
-                   help=f"also time kimi_specialized with our per-head GEMMs nowhere / everywhere: {', '.join(BMM_VARIANTS)}")
+                   help=f"also time kimi_specialized with other per-head GEMM tables: {', '.join(BMM_VARIANTS)}")
     p.add_argument("--merge-ab", action="store_true",
                    help=f"also time kimi_specialized with the MLA merge moved: {', '.join(MERGE_VARIANTS)}")
     p.add_argument("--json")

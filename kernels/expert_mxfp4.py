@@ -24,8 +24,9 @@ Here nothing goes through shared memory and nothing waits on another warp:
   busy experts costs the cold ones no MMAs on repeated pairs.
 
 Upcast: register i of a lane's MMA fragment (two values) takes its codes' magnitude bits
-(e1 e0 m) to bf16 bits 8-6 and sign to bit 15 in one shift and AND (registers 0-2; three
-shifts for register 3): as a bf16 that is the E2M1 value times 2^-126 exactly (e = 0
+(e1 e0 m) to bf16 bits 8-6 and sign to bit 15 by rotating the word and masking it (``PARTS``:
+an AND for register 0, a rotation and an AND for 1 and 2, two of each for 3; 13 integer
+and packed-multiply instructions a word): as a bf16 that is the E2M1 value times 2^-126 exactly (e = 0
 lands on the subnormal 0.5 m 2^-126). One packed multiply by the group's E8M0 scale
 times 2^126, 2^(s - 1) as a bf16 (a byte permute and a multiply-add per row and group),
 makes it the dequantised weight, exactly (a power of two times at most two significant
@@ -40,7 +41,7 @@ fragment row r is weight row 16 b + r, or for gate_up rows 8 b + r (r < 8) and
 I + 8 b + r - 8. For lane t (g = t // 4, q = t % 4), word j of chunk c holds MMA j's
 values: register i (0..3), half h is row g + 8 (i & 1), K element
 64 c + 32 (j >> 1) + 8 q + 4 (j & 1) + 2 (i >> 1) + h (a permutation of K within each
-32-element scale group, which x follows), its nibble at ``BITS[i]`` (+ 16 h). Scale word
+32-element scale group, which x follows), its nibble at ``SLOT_BITS``. Scale word
 of lane t and 256-block: bytes (group 2 q, row g), (2 q, g + 8), (2 q + 1, g),
 (2 q + 1, g + 8) of the block's 8 groups; chunk c's lanes take lane (g, c % 4)'s word by
 a shuffle.
@@ -65,9 +66,11 @@ except ImportError:  # the `cute` extra is not installed
 WARP = 32
 CHUNK = 64  # K elements per lane's 16 bytes of codes
 BLOCK_K = 256  # K elements per scale word (and per prefetch)
-# register i's (m, e0, e1, sign) bit positions in its word, low half (+16: the high half)
-BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
 MASK = 0x81C081C0  # bf16x2 magnitude bits 8-6 and signs
+# register i = OR over its parts (r, m) of (word rotated left by r) AND m; the parts' masks
+# split MASK. The words' bits: 3 rotations of MASK's pattern and a fourth register from two
+# (the fewest instructions a word: no 4 rotations of the pattern tile the word)
+PARTS = (((0, MASK),), ((4, MASK),), ((10, MASK),), ((6, 0x80C080C0), (30, 0x01000100)))
 MAX_SCALE = 128  # E8M0 bytes whose 2^(s - 1) is a finite bf16
 
 
@@ -105,9 +108,16 @@ def _block_rows(N: int, gate_up: bool) -> Tensor:
     return torch.arange(N).view(-1, 16)
 
 
-# per word slot (il, ih, h), in that nesting: where its nibble's bits (m, e0, e1, sign)
-# sit, register i = il + 2 ih's ``BITS[i]`` (+ 16 in the high half h)
-SLOT_BITS = [[BITS[il + 2 * ih][b] + 16 * h for b in range(4)] for il in range(2) for ih in range(2) for h in range(2)]
+def _source_bit(i: int, target: int) -> int:
+    """The word bit that register i's ``PARTS`` move to bf16x2 bit ``target``."""
+    (r, _), = [(r, m) for r, m in PARTS[i] if m >> target & 1]
+    return (target - r) % 32
+
+
+# per word slot (il, ih, h), in that nesting: where the nibble of register i = il + 2 ih,
+# half h has its bits (m, e0, e1, sign): the sources of bf16 bits 6, 7, 8, 15 (+ 16 h)
+SLOT_BITS = [[_source_bit(il + 2 * ih, t + 16 * h) for t in (6, 7, 8, 15)]
+             for il in range(2) for ih in range(2) for h in range(2)]
 
 
 def _nibble_bits() -> Tensor:
@@ -192,15 +202,12 @@ if cutlass is not None:
 
     @cute.jit
     def _upcast(w: Int32, i: cutlass.Constexpr, f: Int32) -> Int32:
-        """Register i's two E2M1 values of code word ``w`` as bf16x2 (times 2^-126), then
-        times the bf16x2 ``f`` (one packed multiply; -0 addend keeps the sign of zero)."""
-        if const_expr(i == 0):
-            v = w & Int32(MASK - (1 << 32))
-        elif const_expr(i < 3):
-            v = (w << (3 * i)) & Int32(MASK - (1 << 32))
-        else:
-            v = ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & Int32(0x80008000 - (1 << 32)))
-        return _asm_i32("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }", v, f)
+        """Register i's two E2M1 values of code word ``w`` as bf16x2 (times 2^-126, ``PARTS``),
+        then times the bf16x2 ``f`` (one packed multiply; -0 addend keeps the sign of zero)."""
+        asm = "{ .reg .b32 t, v, z; mov.b32 v, 0; "
+        for r, m in PARTS[i]:
+            asm += f"shf.l.wrap.b32 t, $1, $1, {r}; and.b32 t, t, {m:#010x}; or.b32 v, v, t; "
+        return _asm_i32(asm + "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, v, $2, z; }", w, f)
 
     @cute.jit
     def _scale_bf16x2(word: Int32, byte: cutlass.Constexpr) -> Int32:

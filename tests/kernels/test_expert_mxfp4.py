@@ -72,12 +72,7 @@ def _kernel_read(codes, scales, gate_up):
     sw = scales.view(torch.int32).squeeze(-1).long() & 0xFFFFFFFF
     W = torch.zeros(E, N, K)
     for i in range(4):
-        if i == 0:
-            v = w & MX.MASK
-        elif i < 3:
-            v = (w << (3 * i)) & MX.MASK
-        else:
-            v = ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)
+        v = sum((((w << r) | (w >> (32 - r))) & 0xFFFFFFFF) & m for r, m in MX.PARTS[i])  # rotations, masks
         for h in range(2):
             bits = ((v >> (16 * h)) & 0xFFFF).to(torch.int32) << 16
             val = bits.view(torch.float32)  # [E, NB, KC, lane, j]: the E2M1 value x 2^-126
