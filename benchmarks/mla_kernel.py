@@ -12,6 +12,16 @@ stream from HBM.
 Every configuration's output is checked against the default's (``*_err``: its largest
 difference over the default's largest value); one that does not fit the GPU (shared
 memory, registers) is recorded as ``*_skipped`` with Triton's reason.
+
+``--fa3 SO`` also times stock vLLM's SM90 MLA decode on the same cache: its
+FLASH_ATTN_MLA backend (first on SM90 in vLLM 0.33.0's priority list) calls FlashAttention
+3 with the latent as a second value operand, loaded here from vLLM's wheel
+(``vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so``, stable-ABI) and called as that backend calls
+it under full CUDA graphs: scheduler metadata built before the graph, at most 32 splits
+(``flash_attn_max_num_splits_for_cuda_graph``). Neither column includes the cache write.
+
+    python benchmarks/mla_kernel.py --heads 12 --context 4096 --requests 1 2 8 32 64 --bs 32 --caps 256 \
+        --fa3 _vllm_fa3_C.abi3.so --json X
 """
 
 from __future__ import annotations
@@ -30,6 +40,23 @@ from common import Results, floor_us, graph_time_us  # noqa: E402
 from kimi_inductor.kernels import mla_decode as M  # noqa: E402
 
 L, RD, BLOCK = 512, 64, 64
+FA3_SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
+
+
+def fa3_decode(ql, qp, table, seq, scale, context):
+    """A callable running vLLM's FLASH_ATTN_MLA decode (FlashAttention 3: q = q_pe against
+    the cache's k_pe, q_v = ql_nope against its latent, one query row per request) with
+    its scheduler metadata built once, as vLLM builds it before a CUDA graph's replay."""
+    fa, R, N = torch.ops._vllm_fa3_C, ql.shape[0], ql.shape[1]
+    cu_q = torch.arange(R + 1, dtype=torch.int32, device=ql.device)
+    meta = fa.get_scheduler_metadata(R, 1, context, N, 1, RD, L, torch.bfloat16, seq, cu_q, None, None, None, None,
+                                     BLOCK, 0, True, -1, -1, False, FA3_SPLITS, None, 0)
+
+    def run(cache):
+        return fa.fwd(qp, cache[..., L:].unsqueeze(-2), cache[..., :L].unsqueeze(-2), None, None, ql, None, cu_q,
+                      None, None, None, seq, 1, context, table, None, None, None, None, None, None, None, None,
+                      scale, True, -1, -1, 0.0, True, meta, FA3_SPLITS, None, 0, None, 1, 0, None)[0]
+    return run
 
 
 def main(argv=None) -> Results:
@@ -43,8 +70,11 @@ def main(argv=None) -> Results:
     p.add_argument("--caps", type=int, nargs="+", default=[64, 256], help="most splits per request")
     p.add_argument("--stages", type=int, nargs="+", default=[2], help="software pipeline stages")
     p.add_argument("--warps", type=int, nargs="+", default=[0], help="warps per program (0: the default)")
+    p.add_argument("--fa3", help="vLLM's _vllm_fa3_C.abi3.so: also time its FLASH_ATTN_MLA decode")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.fa3:
+        torch.ops.load_library(args.fa3)
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = Results("mla_kernel")
     sweep = list(itertools.product(args.bs, args.caps, args.stages, args.steps, args.warps))
@@ -75,6 +105,11 @@ def main(argv=None) -> Results:
                                    num_stages=stages, steps=steps, num_warps=warps or None), calls=10, replays=5)
         best = min((v, k) for k, v in row.items() if k.startswith("bs") and k.endswith("_us"))
         row["best"], row["best_us"], row["best_of_ceiling"] = best[1], best[0], row["floor_us"] / best[0]
+        if args.fa3:
+            fa3 = fa3_decode(ql, qp, table, seq, 0.04, context)
+            row["fa3_err"] = float((fa3(caches[0]).float() - want).abs().max() / want.abs().max())
+            row["fa3_us"] = graph_time_us(lambda i: fa3(caches[i % copies]), calls=10, replays=5)
+            row["fa3_over_best"] = row["fa3_us"] / best[0]
         res.add(**row)
         del caches
     if args.json:
