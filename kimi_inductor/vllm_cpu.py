@@ -679,7 +679,8 @@ SHIM_DEVICES["MLA decode on CUDA"] = ("cuda",)
 SHIMS["MLA decode on CUDA"] = (
     "vLLM's CPU MLA backend (the one its CPU platform selects, AttentionConfig(backend=CPU_MLA) so that no AMX host "
     "picks AMX_MLA) decodes with _C::mla_decode_kvcache; on CUDA its stand-in runs vLLM's Triton MLA decode kernels "
-    "(decode_attention_fwd, as the TRITON_MLA backend launches them; FlashMLA, H200's default, is a CUDA extension)")
+    "(decode_attention_fwd, as the TRITON_MLA backend launches them; FLASH_ATTN_MLA, SM90's default, is a CUDA "
+    "extension)")
 
 
 # ------------------------------------------------------------------------ checkpoint

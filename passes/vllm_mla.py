@@ -37,8 +37,8 @@ request. vLLM's fp8 cache inserts are other ops, which the vLLM spelling does no
 MLA anchors (such a graph does not parse as a decoder: no pass touches it).
 
 The choice is documented, not measured: the decode replaced is the CPU backend's
-reference kernel; on H200 vLLM decodes with FlashMLA, which is not matched and so stays
-(no side-by-side measurement of FlashMLA against ours exists; docs/vllm.md).
+reference kernel; on SM90 vLLM decodes with FLASH_ATTN_MLA (FlashAttention 3), which is
+not matched and so stays (measured against ours: docs/performance.md, "MLA decode core").
 """
 
 from __future__ import annotations
