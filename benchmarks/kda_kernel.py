@@ -11,7 +11,14 @@ as its KDA layer runs it on SM90, on the same tensors: the f_b GEMM (cuBLAS), it
 RMSNorm (fla's ``forward_native``, compiled by Inductor as in vLLM's graph): the work
 our one kernel does, for the choice rule of issue 17.
 
-    python benchmarks/kda_kernel.py --json kda_kernel.json [--vllm ROOT]
+``--vllm-native SO`` (vLLM 0.33.0's ``_C_stable_libtorch.abi3.so``, staged by
+``benchmarks/stage_vllm_kernels.sh``; q = 1) adds the decode
+vLLM runs on SM90 at 12 heads with its CUDA build: the f_b GEMM (cuBLAS), then its native
+``_C::fused_kda_decode`` (conv, gates, delta rule and gated norm in one CUDA kernel),
+called as its KDA layer calls it (width-major fp32 conv weight, fp32 norm weight), with
+its output's relative error against the stock math (``vllm_native_err``).
+
+    python benchmarks/kda_kernel.py --json kda_kernel.json [--vllm ROOT] [--vllm-native SO]
 """
 
 from __future__ import annotations
@@ -74,6 +81,27 @@ def vllm_core(root: str):
     return core
 
 
+def vllm_native_weights(conv_weight, norm_weight) -> dict[str, torch.Tensor]:
+    """The weights vLLM's KDA layer keeps for its native decode: ``decode_conv1d_weight``
+    (width-major [3, width, P]) and ``decode_norm_weight`` (fp32)."""
+    return dict(decode_conv1d_weight=conv_weight.view(3, conv_weight.shape[0] // 3, -1).transpose(1, 2).contiguous(),
+                decode_norm_weight=norm_weight.float())
+
+
+def vllm_native(x):
+    """vLLM's native SM90 KDA decode core on ``vllm_core``'s inputs plus
+    ``vllm_native_weights`` (one token per request) -> [R, H D]: the f_b GEMM, then
+    ``_C::fused_kda_decode`` on the same caches, as vLLM's KDA layer calls it."""
+    R, H, D = x["beta"].shape[0], x["recurrent_state"].shape[1], x["recurrent_state"].shape[-1]
+    g1 = (x["f_a"] @ x["f_b_weight"].t()).view(1, R, H, D)
+    out = torch.empty(1, R, H, D, dtype=x["mixed_qkv"].dtype, device=g1.device)
+    torch.ops._C.fused_kda_decode(x["mixed_qkv"], x["decode_conv1d_weight"], None, x["conv_state"].transpose(1, 2),
+                                  g1, x["beta"].unsqueeze(0), x["A_log"], x["dt_bias"], x["state_slots"][:, 0],
+                                  x["recurrent_state"], out, x["lower_bound"], x["g2"].view(R, H, D),
+                                  x["decode_norm_weight"], x["norm_eps"])
+    return out.view(R, H * D)
+
+
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64])
@@ -81,10 +109,13 @@ def main(argv=None) -> Results:
     p.add_argument("--warps", type=int, nargs="+", default=[4])
     p.add_argument("--v-split", type=int, nargs="+", default=[1, 2, 4], help="V blocks per head")
     p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its decode core too (q = 1)")
+    p.add_argument("--vllm-native", help="vLLM 0.33.0's _C_stable_libtorch.abi3.so: time its fused_kda_decode (q = 1)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     H, D = 12, 128
     vllm = args.vllm and vllm_core(args.vllm)
+    if args.vllm_native:
+        torch.ops.load_library(args.vllm_native)
     res = Results("kda_kernel")
     stock = torch.compile(K.reference, dynamic=False)
     for q in args.q:
@@ -110,6 +141,15 @@ def main(argv=None) -> Results:
                 row["vllm_core_us"] = graph_time_us(lambda i: vllm(x))
                 best = min(v for k, v in row.items() if k.startswith("ours_w"))
                 row["vllm_over_ours"] = row["vllm_core_us"] / best
+            if args.vllm_native and q == 1:
+                nx = {**x, **vllm_native_weights(x["conv_weight"], x["norm_weight"])}
+                fresh = {**nx, "conv_state": x["conv_state"].clone(), "recurrent_state": x["recurrent_state"].clone()}
+                want = K.reference(**{**x, "conv_state": fresh["conv_state"].clone(),
+                                      "recurrent_state": fresh["recurrent_state"].clone()}).float()
+                row["vllm_native_err"] = float((vllm_native(fresh).float() - want).norm() / want.norm())
+                row["vllm_native_us"] = graph_time_us(lambda i: vllm_native(nx))
+                best = min(v for k, v in row.items() if k.startswith("ours_w"))
+                row["vllm_native_over_ours"] = row["vllm_native_us"] / best
             fla = fla_recurrence(R, q, H, D, torch.zeros(R, H, D, D, device="cuda"))
             if fla is not None:
                 row["fla_recurrence_us"] = graph_time_us(fla)

@@ -7,10 +7,13 @@ layer is a layer fragment: kimi_specialized lowers it (lower_kernels only).
 ``--vllm ROOT`` (vLLM 0.33.0's wheel unpacked there; q = 1) adds the stock vLLM chain of
 the same step as its SM90 Triton path runs it, in the same CUDA graphs: cuBLAS in_proj,
 vLLM's decode core (``kda_kernel.vllm_core``: f_b GEMM, its Triton conv update, packed
-recurrent decode, gated norm) and cuBLAS o_proj. vLLM's native ``_C.fused_kda_decode``
-(its CUDA build, torch 2.14) cannot run on this image.
+recurrent decode, gated norm) and cuBLAS o_proj. ``--vllm-native SO`` (vLLM 0.33.0's
+``_C_stable_libtorch.abi3.so``, stable ABI: it loads on the GPU image's torch) adds the
+chain vLLM runs on SM90 at 12 heads with its CUDA build: the same with its native
+``_C::fused_kda_decode`` as the core (``kda_kernel.vllm_native``).
 
-    python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4] [--vllm ROOT] [--profile]
+    python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4] [--vllm ROOT] [--vllm-native SO]
+        [--profile]
     python benchmarks/kda_layer.py --smoke          # CPU, tiny shapes: checks the script runs
 """
 
@@ -27,7 +30,7 @@ from torch.func import functional_call
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
 
-from kda_kernel import vllm_core  # noqa: E402
+from kda_kernel import vllm_core, vllm_native, vllm_native_weights  # noqa: E402
 from step_breakdown import kernel_table  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
@@ -64,19 +67,19 @@ def state_bytes(requests: int, q: int, heads: int, d: int, conv_rows: int) -> fl
     return rec + conv
 
 
-def vllm_chain(root: str, layer: KimiDeltaAttention):
-    """(params, x, slots, conv, rec) -> the layer's o_proj partial [T, hidden] through
-    vLLM's kernels, q = 1 (``slots`` [T, 1]; the caches updated in place)."""
-    core = vllm_core(root)
+def vllm_chain(core, layer: KimiDeltaAttention):
+    """(params, x, slots, conv, rec, extra) -> the layer's o_proj partial [T, hidden]
+    through vLLM's kernels with decode ``core`` (``vllm_core``'s, or ``vllm_native`` with
+    its weights in ``extra``), q = 1 (``slots`` [T, 1]; the caches updated in place)."""
     P, D, H = layer.local_size, layer.head_dim, layer.local_heads
     split = [3 * P, P, D, H, layer.in_proj_padding]
 
-    def step(params, x, slots, conv, rec):
+    def step(params, x, slots, conv, rec, extra=None):
         mixed, g2, f_a, beta, _ = (x @ params["in_proj_qkvgfab.weight"].t()).split(split, dim=-1)
         o = core(dict(mixed_qkv=mixed, g2=g2, f_a=f_a, beta=beta, f_b_weight=params["f_b_proj.weight"],
                       conv_weight=params["conv1d.weight"], A_log=params["A_log"], dt_bias=params["dt_bias"],
                       norm_weight=params["o_norm.weight"], conv_state=conv, recurrent_state=rec, state_slots=slots,
-                      lower_bound=layer.lower_bound, norm_eps=layer.eps))
+                      lower_bound=layer.lower_bound, norm_eps=layer.eps, **(extra or {})))
         return o.reshape(x.shape[0], P) @ params["o_proj.weight"].t()
 
     return step
@@ -89,6 +92,7 @@ def main(argv=None) -> Results:
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its chain too (q = 1)")
+    p.add_argument("--vllm-native", help="vLLM 0.33.0's _C_stable_libtorch.abi3.so: time its native chain (q = 1)")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels of each side per row count (take it with KIMI_INDUCTOR_PDL=0: "
                         "an early-launched kernel's wait counts in its duration)")
@@ -99,7 +103,13 @@ def main(argv=None) -> Results:
     layer = KimiDeltaAttention(layer_config(heads, d, hidden), Parallel(), device="meta")
     gen = torch.Generator().manual_seed(0)
     copies = [random_params(layer, gen, device) for _ in range(1 if args.smoke else args.copies)]
-    vllm = args.vllm and vllm_chain(args.vllm, layer)
+    chains = {}  # name -> (step, per-copy extra inputs)
+    if args.vllm:
+        chains["vllm"] = vllm_chain(vllm_core(args.vllm), layer), [None] * len(copies)
+    if args.vllm_native:
+        torch.ops.load_library(args.vllm_native)
+        chains["vllm_native"] = vllm_chain(vllm_native, layer), [
+            vllm_native_weights(c["conv1d.weight"], c["o_norm.weight"]) for c in copies]
     weight_bytes = sum(t.numel() * t.element_size() for t in copies[0].values())
 
     def step(params, x, slots, accepted, conv, rec):
@@ -135,9 +145,10 @@ def main(argv=None) -> Results:
                 res.add(q=q, rows=rows, rel_err=err, state_err=state_err)
                 continue
             row = dict(q=q, rows=rows)
-            if vllm and q == 1:  # on the caches as they were for ``want`` (the timing below advances them)
-                got = vllm(copies[0], x, slots, conv.clone(), rec.clone()).float()
-                row["vllm_rel_err"] = float((got - want).abs().max() / want.abs().max())
+            for name, (chain, extra) in chains.items() if q == 1 else ():
+                # on the caches as they were for ``want`` (the timing below advances them)
+                got = chain(copies[0], x, slots, conv.clone(), rec.clone(), extra[0]).float()
+                row[f"{name}_rel_err"] = float((got - want).abs().max() / want.abs().max())
             n = len(copies)
             t_stock = graph_time_us(lambda i: stock(copies[i % n], x, slots, accepted, conv, rec))
             t_kimi = graph_time_us(lambda i: kimi(copies[i % n], x, slots, accepted, conv, rec))
@@ -145,13 +156,13 @@ def main(argv=None) -> Results:
             fl = floor_us(nbytes)
             row.update(floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi, kimi_x_floor=t_kimi / fl,
                        speedup=t_stock / t_kimi, rel_err=err, state_err=state_err, compile_s=compile_s)
-            if vllm and q == 1:
-                row["vllm_us"] = graph_time_us(lambda i: vllm(copies[i % n], x, slots, conv, rec))
-                row["vllm_over_kimi"] = row["vllm_us"] / t_kimi
+            for name, (chain, extra) in chains.items() if q == 1 else ():
+                row[f"{name}_us"] = graph_time_us(lambda i: chain(copies[i % n], x, slots, conv, rec, extra[i % n]))
+                row[f"{name}_over_kimi"] = row[f"{name}_us"] / t_kimi
             if args.profile:
                 row["kimi_kernels_us"] = kernel_table(lambda: kimi(copies[0], x, slots, accepted, conv, rec))
-                if vllm and q == 1:
-                    row["vllm_kernels_us"] = kernel_table(lambda: vllm(copies[0], x, slots, conv, rec))
+                for name, (chain, extra) in chains.items() if q == 1 else ():
+                    row[f"{name}_kernels_us"] = kernel_table(lambda: chain(copies[0], x, slots, conv, rec, extra[0]))
             res.add(**row)
     if args.json:
         res.dump(args.json)

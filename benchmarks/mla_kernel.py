@@ -16,7 +16,8 @@ memory, registers) is recorded as ``*_skipped`` with Triton's reason.
 ``--fa3 SO`` also times stock vLLM's SM90 MLA decode on the same cache: its
 FLASH_ATTN_MLA backend (first on SM90 in vLLM 0.33.0's priority list) calls FlashAttention
 3 with the latent as a second value operand, loaded here from vLLM's wheel
-(``vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so``, stable-ABI) and called as that backend calls
+(``vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so``, stable-ABI; ``benchmarks/stage_vllm_kernels.sh``
+stages it for the GPU) and called as that backend calls
 it under full CUDA graphs: scheduler metadata built before the graph, at most 32 splits
 (``flash_attn_max_num_splits_for_cuda_graph``). Neither column includes the cache write.
 
