@@ -652,6 +652,44 @@ def _moe_sum(input, output, topk_ids=None, expert_map=None) -> None:
     output.copy_(input.sum(dim=1).to(output.dtype))
 
 
+def _fused_kda_decode(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                      lower_bound=None, output_gate=None, norm_weight=None, norm_eps=1e-5) -> None:
+    """vLLM's native KDA decode, one token a row (x [T, 3P], weight width-major [3, width,
+    P], conv_state [S, 3P, width - 1] as vLLM hands it, raw_g / out [1, T, H, D]): the
+    conv update (silu), gates, delta rule and sigmoid-gated RMSNorm its Triton group
+    computes, as stock's ``kimi::kda_decode`` on the same caches."""
+    if bias is not None or output_gate is None or norm_weight is None:
+        raise NotImplementedError("the stand-in takes K3's native decode call (no conv bias, gated norm)")
+    from .stock.library import REFERENCES
+
+    T, P = x.shape[0], raw_g.shape[-2] * raw_g.shape[-1]
+    y = REFERENCES[torch.ops.kimi.kda_decode.default](
+        x, raw_g.reshape(T, P), output_gate.reshape(T, P), raw_beta.reshape(T, -1),
+        weight.transpose(1, 2).reshape(-1, 1, weight.shape[1]), A_log, dt_bias, norm_weight, conv_state.transpose(1, 2),
+        state, state_indices[:, None], torch.ones_like(state_indices), lower_bound, norm_eps)
+    out.copy_(y.view(out.shape))
+
+
+@_shim("native KDA decode", "with build(kda_decode='native') the KDA layers take vLLM's native decode (what its "
+       "CUDA build runs on SM90 at 12 heads): _C::fused_kda_decode under its own schema (stand-in: stock's KDA "
+       "decode on the same caches) and vLLM's backend choice returning 'native' when asked for it (the CPU "
+       "platform has no SM90 capability)", devices=("cpu",))
+def _native_kda_decode() -> None:
+    from vllm.models.kimi_k3.nvidia import kda
+
+    _define("_C::fused_kda_decode",
+            "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor raw_g, Tensor raw_beta, "
+            "Tensor A_log, Tensor dt_bias, Tensor state_indices, Tensor(b!) state, Tensor(c!) out, "
+            "float? lower_bound=None, Tensor? output_gate=None, Tensor? norm_weight=None, float norm_eps=1e-5) -> ()",
+            _fused_kda_decode)
+    plain = kda.resolve_kda_decode_backend
+
+    def resolve(backend: str, *args: Any) -> str:
+        return "native" if backend == "native" else plain(backend, *args)
+
+    kda.resolve_kda_decode_backend = resolve
+
+
 @_shim("_C/_moe_C stand-ins", "implementations (+ fake kernels) under vLLM's names for the extension ops K3's decode "
        "reaches, capturable in CUDA graphs: _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert, "
        "_C::mla_decode_kvcache (the CPU MLA backend's forward_mqa kernel: the reference loop on the CPU, vLLM's "
@@ -726,7 +764,8 @@ def checkpoint(preset: str = "tiny", seed: int = 0, layers: int | None = None, e
 
 
 # ----------------------------------------------------------------------------- build
-def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256, dp: int = 1, dp_rank: int = 0):
+def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256, dp: int = 1, dp_rank: int = 0,
+                    kda_decode: str = "auto"):
     """A ``VllmConfig`` for the checkpoint at ``path``: TP ``tp``, PP 1, expert parallel
     on (with DP > 1 this is the layout that runs K3 sequence-parallel on H200; ``dp`` /
     ``dp_rank``: one DP engine's view of ``-dp dp``), bf16,
@@ -735,7 +774,8 @@ def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256, dp:
     CUDA, ``SHIMS``). The device config stays the CPU platform's even when the model
     is built on CUDA (``build``). MoE
     backend: H200's unquantized one (triton) for bf16 experts, emulation for MXFP4 ones
-    (the backend that keeps their checkpoint layout)."""
+    (the backend that keeps their checkpoint layout). ``kda_decode``: vLLM's KDA decode
+    backend (``additional_config["kda_decode_backend"]``; "native": SM90's, ``SHIMS``)."""
     from vllm.config import (AttentionConfig, CacheConfig, CompilationConfig, DeviceConfig, KernelConfig,
                              ModelConfig, ParallelConfig, VllmConfig)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -750,7 +790,8 @@ def vllm_config_for(path: str | Path, tp: int = 1, max_model_len: int = 256, dp:
         cache_config=CacheConfig(enable_prefix_caching=False, mamba_cache_mode="none", block_size=BLOCK_SIZE),
         compilation_config=CompilationConfig(mode=0),
         attention_config=AttentionConfig(backend=AttentionBackendEnum.CPU_MLA),  # not AMX_MLA on an AMX host
-        kernel_config=KernelConfig(moe_backend="emulation" if model_config.quantization == "mxfp4" else "triton"))
+        kernel_config=KernelConfig(moe_backend="emulation" if model_config.quantization == "mxfp4" else "triton"),
+        additional_config={"kda_decode_backend": kda_decode})
 
 
 def _cuda_environment() -> None:
@@ -836,7 +877,8 @@ def _fake_subgroups(active: bool) -> Iterator[None]:
 
 def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", preset: str = "tiny",
           layers: int | None = None, seed: int = 0, experts: str = "bf16", device: str = "cpu",
-          weights: tuple[Any, dict[str, torch.Tensor]] | None = None, max_model_len: int = 256, dp: int = 1):
+          weights: tuple[Any, dict[str, torch.Tensor]] | None = None, max_model_len: int = 256, dp: int = 1,
+          kda_decode: str = "auto"):
     """``(vllm_config, model)``: vLLM's ``KimiLinearForCausalLM`` (its backbone is
     ``model.model``, a ``KimiLinearModel``) on this rank, with our replica's random
     weights for ``preset`` loaded through vLLM's ``load_weights``, and its caches bound.
@@ -853,7 +895,8 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
     ``weights``: ``(config, tensors)`` loaded instead of the preset's random checkpoint
     (e.g. drawn on the GPU; only the config is written to disk, for vLLM's
     ``ModelConfig``). ``max_model_len``: vLLM's, at least the longest context decoded.
-    Once per process (vLLM's distributed state and layer registry are global)."""
+    ``kda_decode``: vLLM's KDA decode backend ("native": its SM90 op, CPU only). Once per
+    process (vLLM's distributed state and layer registry are global)."""
     install(device)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -877,9 +920,9 @@ def build(tp: int = 1, rank: int = 0, sp: bool = True, group: str = "fake", pres
 
         if not (sp and tp > 1 and group == "gloo" and dist.is_initialized()):
             raise ValueError(f"dp={dp} needs the SP layout at TP > 1 on gloo ranks (run_ranks with tp x dp ranks)")
-        vllm_config = vllm_config_for(path, tp, max_model_len, dp, dist.get_rank() // tp)
+        vllm_config = vllm_config_for(path, tp, max_model_len, dp, dist.get_rank() // tp, kda_decode)
     else:
-        vllm_config = vllm_config_for(path, tp, max_model_len)
+        vllm_config = vllm_config_for(path, tp, max_model_len, kda_decode=kda_decode)
     _cuda_environment()
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, tp, rank, group, sp)

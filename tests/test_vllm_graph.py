@@ -187,6 +187,18 @@ def tp1_capture_and_numerics(steps):
     return result
 
 
+def native_kda_numerics(steps):
+    """TP 1 with vLLM's native KDA decode (``kda_decode="native"``: SM90's op): the ops by
+    role, then ``steps`` steps of vLLM eager, of every pass and of byte_pages alone."""
+    from kimi_inductor import vllm_cpu
+
+    vllm_config, model = vllm_cpu.build(tp=1, layers=LAYERS, kda_decode="native")
+    batch = vllm_cpu.decode_batch(model, vllm_config, ROWS, PADDING)
+    graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
+    return {"ops": vllm_cpu.op_counts(graphs[0]),
+            **eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, BYTE_PAGES))}
+
+
 def lower_with_rope_mla(gm):
     """lower_kernels on a copy of ``gm`` whose first MLA insert is given a cos_sin_cache
     (as a rotary MLA's would be): that pair must be kept, the other lowered."""
@@ -413,6 +425,24 @@ def test_a_rotary_mla_pair_is_kept_with_the_reason(tp1):
     assert any(s.startswith("1 x kept: MLA core (vllm): its insert applies RoPE") for s in lowered["skipped"]), lowered
     mla = [l for l in report["layers"] if l["kind"] == "mla"]
     assert ["MLA core x1" in l["notes"]["kernels"] for l in mla] == [False, True]
+
+
+def test_native_kda_decode_is_kept_with_the_reason():
+    """vLLM's CUDA build decodes KDA on SM90 at 12 heads with its native
+    ``_C::fused_kda_decode`` (conv, gates, delta rule and gated norm in one op). That
+    spelling (a stand-in with its schema) is not our fused kernel's match: lower_kernels
+    keeps it and says why, every pass stays in the bf16 band and byte_pages alone (both
+    states are dtype views of the page) is bitwise vLLM eager."""
+    res = isolated(native_kda_numerics, 3)
+    assert res["ops"].get("functionalized:_C::fused_kda_decode") == KDA_LAYERS
+    assert not any(res["ops"].get(kernel) for kernel in KDA_CORE)
+    every = res["reports"][0][0]
+    lowered = next(p for p in every["passes"] if p["name"] == "lower_kernels")
+    assert any(s.startswith(f"{KDA_LAYERS} x kept: KDA core (vllm): not vLLM's Triton packed KDA decode (its native")
+               for s in lowered["skipped"]), lowered["skipped"]
+    assert all("fused KDA" not in layer["notes"]["kernels"] for layer in every["layers"])
+    assert_in_band(res["eager"], res["compiled"][0])
+    assert all(torch.equal(e, c) for e, c in zip(res["eager"], res["compiled"][1]))
 
 
 def test_docs_list_every_shim(tp1):
