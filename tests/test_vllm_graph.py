@@ -104,8 +104,9 @@ def through_vllm(mode, cache_root, capture_sizes=()):
 
     make_config, check = vllm_cpu.vllm_config_for, config.unsupported
 
-    def vllm_config_for(path, tp=1, max_model_len=256):  # one model path in every process: vLLM's cache key
-        c = make_config(shutil.copytree(path, Path(cache_root) / "model", dirs_exist_ok=True), tp, max_model_len)
+    def vllm_config_for(path, tp=1, max_model_len=256, **kwargs):  # one model path in every process: vLLM's cache key
+        c = make_config(shutil.copytree(path, Path(cache_root) / "model", dirs_exist_ok=True), tp, max_model_len,
+                        **kwargs)
         c.compilation_config.mode, c.compilation_config.backend = mode, "kimi_specialized"
         c.compilation_config.cudagraph_capture_sizes = list(capture_sizes)
         c.additional_config = {"kimi_inductor": {"decode_backend": "latency_specialized", "compiler": "eager"}}
