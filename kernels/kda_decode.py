@@ -6,7 +6,8 @@ the delta rule over the q tokens of each request and the gated RMSNorm, updating
 conv and recurrent states in place. States are addressed by slot stride: each slot's
 conv window [2 + q, 3 P] (channels contiguous) and recurrent state [H, V, K]
 (contiguous) may sit in a larger per-slot page, as vLLM binds a KDA layer's two states
-as dtype views of one int8 page.
+as dtype views of one int8 page. The conv weight is stock's [3P, 1, W] or any strided
+[3, P, W] (vLLM's native-decode copy [3, W, P] transposed); the norm weight bf16 or fp32.
 
 Layout: one program per (request, head, V block) with its rows of the head's fp32 state
 S [V, K] in registers (D = 128, one V block: 128 values per thread at 4 warps). The program loads the head's
@@ -72,7 +73,7 @@ if triton is not None:
     @triton.jit
     def _kda_decode_kernel(
         qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
-        convw_ptr, alog_ptr, dtb_ptr, normw_ptr,
+        convw_ptr, WJ, WP, WT, alog_ptr, dtb_ptr, normw_ptr,
         conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, stride_rec_s, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr,
         cnt_ptr,
         lower_bound, eps,
@@ -110,18 +111,14 @@ if triton is not None:
         v0 = tl.load(hist + cv).to(tl.float32)
         v1 = tl.load(hist + stride_conv_r + cv).to(tl.float32)
         v2 = tl.load(hist + 2 * stride_conv_r + cv).to(tl.float32)
-        wq0 = tl.load(convw_ptr + cq * 4)
-        wq1 = tl.load(convw_ptr + cq * 4 + 1)
-        wq2 = tl.load(convw_ptr + cq * 4 + 2)
-        wq3 = tl.load(convw_ptr + cq * 4 + 3)
-        wk0 = tl.load(convw_ptr + ck * 4)
-        wk1 = tl.load(convw_ptr + ck * 4 + 1)
-        wk2 = tl.load(convw_ptr + ck * 4 + 2)
-        wk3 = tl.load(convw_ptr + ck * 4 + 3)
-        wv0 = tl.load(convw_ptr + cv * 4)
-        wv1 = tl.load(convw_ptr + cv * 4 + 1)
-        wv2 = tl.load(convw_ptr + cv * 4 + 2)
-        wv3 = tl.load(convw_ptr + cv * 4 + 3)
+        # conv weight [3 (q, k, v), P, 4 taps] at strides (WJ, WP, WT): stock's [3P, 1, 4] or
+        # vLLM's native-decode copy [3, 4, P] transposed
+        wq = convw_ptr + (h * D + d) * WP
+        wk = wq + WJ
+        wv = convw_ptr + 2 * WJ + (h * D + v) * WP
+        wq0, wq1, wq2, wq3 = tl.load(wq), tl.load(wq + WT), tl.load(wq + 2 * WT), tl.load(wq + 3 * WT)
+        wk0, wk1, wk2, wk3 = tl.load(wk), tl.load(wk + WT), tl.load(wk + 2 * WT), tl.load(wk + 3 * WT)
+        wv0, wv1, wv2, wv3 = tl.load(wv), tl.load(wv + WT), tl.load(wv + 2 * WT), tl.load(wv + 3 * WT)
         # g1 = f_a f_b^T for all q tokens at once (one dot, rows padded to 16), so that the
         # f_b rows need not stay in registers next to the state during the token loop
         tl.static_assert(Q <= 16, "kda_decode: the gate rows hold at most 16 tokens (the op allows q <= 8)")
@@ -244,7 +241,7 @@ def kda_decode(
         return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                          conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
     R, Q = state_slots.shape
-    assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1 and conv_weight.is_contiguous()
+    assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1
     mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
     f_b_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (f_b_weight, A_log, dt_bias, norm_weight))
     out = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
@@ -256,6 +253,22 @@ def kda_decode(
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
         NV=nv, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
+
+
+# This kernel against vLLM's native SM90 decode (its CUDA build's ``_C::fused_kda_decode``
+# after its f_b GEMM on cuBLAS), by request count at q = 1 and TP8 per-rank shapes: True
+# where ours was faster (``benchmarks/kda_kernel.py --vllm-native``). vLLM's graph has one
+# symbolic row count, so ours replaces the native op only where it is faster at every count.
+VERSUS_NATIVE: dict[int, bool] = {}
+
+
+def versus_native() -> str:
+    """Why vLLM's native decode stays ('' where ours replaces it)."""
+    if not VERSUS_NATIVE:
+        return "vLLM's native decode kept: ours not yet measured against it (benchmarks/kda_kernel.py --vllm-native)"
+    slower = [r for r, faster in sorted(VERSUS_NATIVE.items()) if not faster]
+    return f"vLLM's native decode is as fast or faster at {slower} requests (kda_kernel.py --vllm-native)" \
+        if slower else ""
 
 
 def v_split(R: int, H: int) -> int:
@@ -275,8 +288,9 @@ def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bia
     ws = torch.empty(out.shape[0], H, recurrent_state.shape[-1], dtype=torch.float32, device=out.device) \
         if nv > 1 else out
     cnt = arrival_counters(out.device, R * H) if nv > 1 else state_slots
+    cw = conv_weight if conv_weight.dim() == 3 and conv_weight.shape[0] == 3 else conv_weight.view(3, -1, conv_weight.shape[-1])
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
-            conv_weight, A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
+            cw, *cw.stride(), A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
             recurrent_state, recurrent_state.stride(0), state_slots, num_accepted, out, out.stride(0), ws, cnt,
             lower_bound, norm_eps)
 
@@ -324,8 +338,10 @@ kda_decode_paged.register_fake(_fake_paged)
 
 def reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
               recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
-    """The op's semantics: stock's f_b_proj GEMM, then stock's ``kimi::kda_decode``."""
+    """The op's semantics: stock's f_b_proj GEMM, then stock's ``kimi::kda_decode`` (with
+    the conv weight as stock's [3P, 1, W])."""
     g1 = F.linear(f_a, f_b_weight)
+    conv_weight = conv_weight.reshape(-1, 1, conv_weight.shape[-1])
     return REFERENCES[torch.ops.kimi.kda_decode.default](mixed_qkv, g1, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                                      conv_state, recurrent_state, state_slots, num_accepted, lower_bound,
                                      norm_eps)

@@ -15,6 +15,8 @@ Matches and produces (M = rows, at most 64):
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
       with kv_c = rms_norm(x, w, eps) read by it    kimi_kernels.mla_decode(..., x, ..., kv_norm_weight=w, eps)
+    vLLM's KDA group: its Triton chain, or its      kimi_kernels.kda_decode_paged(...) on its page
+      native decode where ours is measured faster     (passes/vllm_kda.py; kda_decode.versus_native)
     vLLM's MLA insert + decode pair (CPU backend)   kimi_kernels.mla_decode(ql_nope, q_pe, ...)
       (passes/vllm_mla.py)
     kimi.mla_decode_dcp(...)  (DCP partials)        kimi_kernels.mla_decode_dcp(...)
@@ -113,6 +115,7 @@ class LowerKernels:
                 why, gemm = group, None
             else:
                 why, gemm = kda_kernel.supported(group.conv_width, group.head_dim), match_gemm(group.g1)
+                why = why or (kda_kernel.versus_native() if group.native else "")
                 if not why and (gemm is None or gemm[2] is not None):
                     why = f"its g1 is not a plain f_b GEMM (it is {op_name(group.g1)})"
             if why:

