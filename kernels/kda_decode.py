@@ -73,7 +73,7 @@ if triton is not None:
     @triton.jit
     def _kda_decode_kernel(
         qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
-        convw_ptr, WJ, WP, WT, alog_ptr, dtb_ptr, normw_ptr,
+        convw_ptr, stride_cw_j, stride_cw_p, stride_cw_t, alog_ptr, dtb_ptr, normw_ptr,
         conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, stride_rec_s, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr,
         cnt_ptr,
         lower_bound, eps,
@@ -111,14 +111,15 @@ if triton is not None:
         v0 = tl.load(hist + cv).to(tl.float32)
         v1 = tl.load(hist + stride_conv_r + cv).to(tl.float32)
         v2 = tl.load(hist + 2 * stride_conv_r + cv).to(tl.float32)
-        # conv weight [3 (q, k, v), P, 4 taps] at strides (WJ, WP, WT): stock's [3P, 1, 4] or
-        # vLLM's native-decode copy [3, 4, P] transposed
-        wq = convw_ptr + (h * D + d) * WP
-        wk = wq + WJ
-        wv = convw_ptr + 2 * WJ + (h * D + v) * WP
-        wq0, wq1, wq2, wq3 = tl.load(wq), tl.load(wq + WT), tl.load(wq + 2 * WT), tl.load(wq + 3 * WT)
-        wk0, wk1, wk2, wk3 = tl.load(wk), tl.load(wk + WT), tl.load(wk + 2 * WT), tl.load(wk + 3 * WT)
-        wv0, wv1, wv2, wv3 = tl.load(wv), tl.load(wv + WT), tl.load(wv + 2 * WT), tl.load(wv + 3 * WT)
+        # conv weight [3 (q, k, v), P, 4 taps] by its strides: stock's [3P, 1, 4] or vLLM's
+        # native-decode copy [3, 4, P] transposed
+        wq = convw_ptr + (h * D + d) * stride_cw_p
+        wk = wq + stride_cw_j
+        wv = convw_ptr + 2 * stride_cw_j + (h * D + v) * stride_cw_p
+        wt = stride_cw_t
+        wq0, wq1, wq2, wq3 = tl.load(wq), tl.load(wq + wt), tl.load(wq + 2 * wt), tl.load(wq + 3 * wt)
+        wk0, wk1, wk2, wk3 = tl.load(wk), tl.load(wk + wt), tl.load(wk + 2 * wt), tl.load(wk + 3 * wt)
+        wv0, wv1, wv2, wv3 = tl.load(wv), tl.load(wv + wt), tl.load(wv + 2 * wt), tl.load(wv + 3 * wt)
         # g1 = f_a f_b^T for all q tokens at once (one dot, rows padded to 16), so that the
         # f_b rows need not stay in registers next to the state during the token loop
         tl.static_assert(Q <= 16, "kda_decode: the gate rows hold at most 16 tokens (the op allows q <= 8)")

@@ -198,9 +198,10 @@ def test_kda_kernel_compiles_for_sm90(nv):
             "rec_ptr": "*fp32", "slots_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
             "cnt_ptr": "*i32"}
     ints = ("stride_qkv", "stride_fa", "stride_g2", "stride_beta", "stride_conv_s", "stride_conv_r", "stride_rec_s",
-            "stride_out")
+            "stride_out", "stride_cw_j", "stride_cw_p")
     params = kda_decode._kda_decode_kernel.arg_names
-    constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv, "PDL": True}
+    constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv, "PDL": True,
+                  "stride_cw_t": 1}  # stock's conv weight: Triton specialises the unit stride
     sig = {name: ptrs.get(name) or ("i32" if name in ints else "fp32" if name in ("lower_bound", "eps")
                                     else "constexpr") for name in params}
     compiled = triton.compile(ASTSource(kda_decode._kda_decode_kernel, sig, constexprs=constexprs), target=SM90,
