@@ -16,7 +16,9 @@ our one kernel does, for the choice rule of issue 17.
 vLLM runs on SM90 at 12 heads with its CUDA build: the f_b GEMM (cuBLAS), then its native
 ``_C::fused_kda_decode`` (conv, gates, delta rule and gated norm in one CUDA kernel),
 called as its KDA layer calls it (width-major fp32 conv weight, fp32 norm weight), with
-its output's relative error against the stock math (``vllm_native_err``).
+its output's relative error against the stock math (``vllm_native_err``), beside our op as
+lower_kernels emits it on vLLM's graph (on the native op's weights, at ``v_split``'s choice);
+their ratio fills ``kda_decode.VERSUS_NATIVE``.
 
     python benchmarks/kda_kernel.py --json kda_kernel.json [--vllm ROOT] [--vllm-native SO]
 """
@@ -148,14 +150,20 @@ def main(argv=None) -> Results:
                                       "recurrent_state": fresh["recurrent_state"].clone()}).float()
                 row["vllm_native_err"] = float((vllm_native(fresh).float() - want).norm() / want.norm())
                 row["vllm_native_us"] = graph_time_us(lambda i: vllm_native(nx))
-                best = min(v for k, v in row.items() if k.startswith("ours_w"))
-                row["vllm_native_over_ours"] = row["vllm_native_us"] / best
+                # ours as lower_kernels emits it there: on the native op's weights, at v_split's choice
+                mine = {**{k: x[k] for k in names}, "conv_weight": nx["decode_conv1d_weight"].transpose(1, 2),
+                        "norm_weight": nx["decode_norm_weight"]}
+                row["ours_native_weights_us"] = graph_time_us(lambda i: torch.ops.kimi_kernels.kda_decode(**mine,
+                                                                                   lower_bound=-5.0, norm_eps=1e-5))
+                row["vllm_native_over_ours"] = row["vllm_native_us"] / row["ours_native_weights_us"]
             fla = fla_recurrence(R, q, H, D, torch.zeros(R, H, D, D, device="cuda"))
             if fla is not None:
                 row["fla_recurrence_us"] = graph_time_us(fla)
             res.add(**row)
     if args.json:
         res.dump(args.json)
+    if args.vllm_native:  # kda_decode.VERSUS_NATIVE, from this GPU's run
+        print("VERSUS_NATIVE =", {r["requests"]: r["vllm_native_over_ours"] > 1 for r in res.rows if r["q"] == 1})
     return res
 
 
