@@ -248,11 +248,14 @@ def _bind_native(call: OpCall) -> KdaGroup | str:
     if out != {"slice_dim": 1, "slice_start": 0, "slice_end": out.get("slice_end")} \
             or y is None or not _is(call.arg("out"), aten.empty.memory_format):
         return "its output is not rows [0, R) of a fresh [1, T, H, D] buffer"
-    g1, g2, beta = _columns(call.arg("raw_g")), _columns(call.arg("output_gate")), _columns(call.arg("raw_beta"))
+    # each operand a [.., H, D] (beta [.., H]) row range of a whole [T, P] ([T, H]) column block
+    operands = {"raw_g": (H, D), "output_gate": (H, D), "raw_beta": (H,)}
+    g1, g2, beta = (_columns(call.arg(name)) for name in operands)
     if K != D or C != 3 * P or tuple(weight.meta["val"].shape) != (3, W, P) or None in (g1, g2, beta) \
-            or tuple(g1.meta["val"].shape[1:]) != (P,) or tuple(beta.meta["val"].shape[1:]) != (H,):
+            or any(tuple(call.arg(name).meta["val"].shape[-len(tail):]) != tail for name, tail in operands.items()) \
+            or any(tuple(t.meta["val"].shape[1:]) != (n,) for t, n in ((g1, P), (g2, P), (beta, H))):
         return f"native decode shapes (states {conv['size']} / {rec['size']}, weight {tuple(weight.meta['val'].shape)}) " \
-               "are not K3's packed [3P] channels, [3, W, P] conv weight and [T, P] gate columns"
+               "are not K3's packed [3P] channels, [3, W, P] conv weight and [T, P] / [T, H] gate columns"
     return KdaGroup(anchor=call.node, y=y, page=conv_slice.args[0], page_out=page2,
                     conv_start=conv_slice.args[2], state_len=L, rec_start=rec_slice.args[2], conv_width=W,
                     head_dim=D, g1=g1, native=True, args=dict(

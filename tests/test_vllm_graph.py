@@ -182,7 +182,7 @@ def tp1_capture_and_numerics(steps):
     vllm_cpu.restart(batch)
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
     result["graphs"], result["ops"] = len(graphs), vllm_cpu.op_counts(graphs[0])
-    result["rope_mla_report"] = lower_with_rope_mla(graphs[0])
+    result["rope_mla_report"] = lowered_copy(graphs[0], with_rope)
     result["mla_pair"] = mla_pair_against_ours()
     result.update(eager_and_compiled(vllm_config, model, batch, steps, options=(EVERY_PASS, ours_everywhere,
                                                                                  EVERY_PASS, BYTE_PAGES)))
@@ -198,7 +198,7 @@ def native_kda_numerics(steps):
     vllm_config, model = vllm_cpu.build(tp=1, layers=LAYERS, kda_decode="native")
     batch = vllm_cpu.decode_batch(model, vllm_config, ROWS, PADDING)
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
-    return {"ops": vllm_cpu.op_counts(graphs[0]),
+    return {"ops": vllm_cpu.op_counts(graphs[0]), "biased": lowered_copy(graphs[0], with_conv_bias),
             **eager_and_compiled(vllm_config, model, batch, steps,
                                  options=(EVERY_PASS, BYTE_PAGES, ours_faster, EVERY_PASS, LOWER_KERNELS))}
 
@@ -210,22 +210,33 @@ def ours_faster():
     kda_decode.VERSUS_NATIVE.update({1: True, 64: True})
 
 
-def lower_with_rope_mla(gm):
-    """lower_kernels on a copy of ``gm`` whose first MLA insert is given a cos_sin_cache
-    (as a rotary MLA's would be): that pair must be kept, the other lowered."""
+def lowered_copy(gm, edit):
+    """lower_kernels' report on a copy of ``gm`` changed by ``edit(graph)``."""
     from kimi_inductor.config import Options
     from kimi_inductor.passes.manager import KimiPasses
     from kimi_inductor.passes.report import MatchReport
 
     gm = copy_graph(gm)
-    insert = next(n for n in gm.graph.nodes if "auto_functionalized" in str(n.target)
-                  and f"functionalized:{n.args[0]._schema.name}" == MLA_INSERT)
-    table = next(n for n in gm.graph.nodes
-                 if n.op == "placeholder" and getattr(n.meta.get("val"), "dtype", None) == torch.float32)
-    insert.kwargs = {**insert.kwargs, "cos_sin_cache": table}
+    edit(gm.graph)
     report = MatchReport()
     KimiPasses(Options(passes=["lower_kernels"]), report)(gm.graph)
     return report.to_dict()
+
+
+def with_rope(g):
+    """The first MLA insert given a cos_sin_cache (as a rotary MLA's would be): that pair
+    must be kept, the other lowered."""
+    insert = next(n for n in g.nodes if "auto_functionalized" in str(n.target)
+                  and f"functionalized:{n.args[0]._schema.name}" == MLA_INSERT)
+    table = next(n for n in g.nodes if n.op == "placeholder" and getattr(n.meta.get("val"), "dtype", None) == torch.float32)
+    insert.kwargs = {**insert.kwargs, "cos_sin_cache": table}
+
+
+def with_conv_bias(g):
+    """Every native KDA decode given a conv bias (K3 has none): kept, saying why."""
+    for n in g.nodes:
+        if "auto_functionalized" in str(n.target) and n.args[0]._schema.name == "_C::fused_kda_decode":
+            n.kwargs = {**n.kwargs, "bias": n.kwargs["A_log"]}
 
 
 def mla_pair_against_ours():
@@ -452,6 +463,8 @@ def test_native_kda_decode_is_ours_only_where_measured_faster():
     kept, _, ours, lowered = res["reports"]
     skipped = next(p for p in kept[0]["passes"] if p["name"] == "lower_kernels")["skipped"]
     assert f"{KDA_LAYERS} x kept: KDA core (vllm): {versus_native()}" in skipped, skipped
+    biased = next(p for p in res["biased"]["passes"] if p["name"] == "lower_kernels")["skipped"]
+    assert any(s.startswith(f"{KDA_LAYERS} x kept: KDA core (vllm): native KDA decode with a conv bias") for s in biased)
     for report, fused in ((kept, False), (ours, True), (lowered, True)):
         kda = [layer for layer in report[0]["layers"] if layer["kind"] == "kda"]
         assert len(kda) == KDA_LAYERS and all(("fused KDA x1" in layer["notes"]["kernels"]) == fused for layer in kda)
