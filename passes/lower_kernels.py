@@ -115,7 +115,7 @@ class LowerKernels:
                 why, gemm = group, None
             else:
                 why, gemm = kda_kernel.supported(group.conv_width, group.head_dim), match_gemm(group.g1)
-                why = why or (kda_kernel.versus_native() if group.native else "")
+                why = why or (kda_kernel.versus_native(group.requests) if group.native else "")
                 if not why and (gemm is None or gemm[2] is not None):
                     why = f"its g1 is not a plain f_b GEMM (it is {op_name(group.g1)})"
             if why:

