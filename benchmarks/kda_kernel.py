@@ -110,6 +110,8 @@ def main(argv=None) -> Results:
     p.add_argument("--q", type=int, nargs="+", default=[1, 4])
     p.add_argument("--warps", type=int, nargs="+", default=[4])
     p.add_argument("--v-split", type=int, nargs="+", default=[1, 2, 4], help="V blocks per head")
+    p.add_argument("--v-chunk", type=int, nargs="+", default=[0],
+                   help="rows of S a program streams at a time (0: its whole block)")
     p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its decode core too (q = 1)")
     p.add_argument("--vllm-native", help="vLLM 0.33.0's _C_stable_libtorch.abi3.so: time its fused_kda_decode (q = 1)")
     p.add_argument("--json")
@@ -134,11 +136,14 @@ def main(argv=None) -> Results:
             row["inductor_us"] = graph_time_us(lambda i: stock(**x))
             for w in args.warps:
                 for nv in args.v_split:
-                    kargs = K.kernel_args(**{k: x[k] for k in names}, out=out, lower_bound=-5.0, norm_eps=1e-5, nv=nv)
-                    row[f"ours_w{w}_nv{nv}_us"] = graph_time_us(
-                        lambda i: K._kda_decode_kernel[(R, H, nv)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
-                                                                   NV=nv, num_warps=w, **pdl(out.device)))
-            row["v_split"] = K.v_split(R, H)
+                    for bc in args.v_chunk:
+                        bc = min(bc or D // nv, D // nv)
+                        kargs = K.kernel_args(**{k: x[k] for k in names}, out=out, lower_bound=-5.0, norm_eps=1e-5,
+                                              nv=nv, bc=bc)
+                        row[f"ours_w{w}_nv{nv}" + (f"_bc{bc}" if bc < D // nv else "") + "_us"] = graph_time_us(
+                            lambda i: K._kda_decode_kernel[(R, H, nv)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
+                                                                       NV=nv, BC=bc, num_warps=w, **pdl(out.device)))
+            row["v_split"], row["v_chunk"] = K.v_split(R, H, D)
             if vllm and q == 1:
                 row["vllm_core_us"] = graph_time_us(lambda i: vllm(x))
                 best = min(v for k, v in row.items() if k.startswith("ours_w"))

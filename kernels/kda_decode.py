@@ -20,6 +20,12 @@ read through their row strides: the op takes any layout (``flexible_layout``), s
 hands it the in-projection's column slices as views, not copies (with its row padding,
 the output's stride is not the slices' FX stride).
 
+Chunks (``v_split``'s BC < D / NV, with ``CHUNK`` set: more programs than two an SM hold): a program
+streams its V block in chunks of BC rows, each chunk's S rows and v window loaded one
+chunk ahead, q/k/gate/beta of a one-token step computed once for every chunk, the
+pre-norm o rows to the fp32 workspace and normalised after the last chunk (a 32-row
+chunk: 168 registers a thread, three programs an SM; the whole block: 255 and two).
+
 V split (``v_split``: NV = 4 blocks when few requests leave SMs idle): every program
 of a head recomputes q, k, the gate and g1 (cheap) and owns BV = D / NV rows of S and the
 matching v channels. The gated RMSNorm spans all of V and the q/k conv channels are read
@@ -78,14 +84,15 @@ if triton is not None:
         cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr, PDL: tl.constexpr,
+        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         r = tl.program_id(0)
         h = tl.program_id(1)
         BV: tl.constexpr = D // NV
+        NC: tl.constexpr = BV // BC  # chunks of BC rows of S, streamed one ahead
         d = tl.arange(0, D)
-        v = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's rows of S (and v channels)
+        vb = tl.program_id(2) * BV + tl.arange(0, BC)  # this program's first chunk of S rows (and v channels)
         P = H * D
         slot0 = tl.load(slots_ptr + r * Q)
         live = slot0 > 0
@@ -99,8 +106,8 @@ if triton is not None:
             start = tl.maximum(tl.load(acc_ptr + r) - 1, 0)
             start_slot = tl.maximum(tl.load(slots_ptr + r * Q + start), 0).to(tl.int64)
 
-        # conv history (3 saved raw inputs) and the 4 taps of the head's q, k, v channels
-        cq, ck, cv = h * D + d, P + h * D + d, 2 * P + h * D + v
+        # conv history (3 saved raw inputs) and the 4 taps of the head's q and k channels
+        cq, ck = h * D + d, P + h * D + d
         hist = conv_ptr + slot0 * stride_conv_s + start * stride_conv_r
         q0 = tl.load(hist + cq).to(tl.float32)
         q1 = tl.load(hist + stride_conv_r + cq).to(tl.float32)
@@ -108,18 +115,13 @@ if triton is not None:
         k0 = tl.load(hist + ck).to(tl.float32)
         k1 = tl.load(hist + stride_conv_r + ck).to(tl.float32)
         k2 = tl.load(hist + 2 * stride_conv_r + ck).to(tl.float32)
-        v0 = tl.load(hist + cv).to(tl.float32)
-        v1 = tl.load(hist + stride_conv_r + cv).to(tl.float32)
-        v2 = tl.load(hist + 2 * stride_conv_r + cv).to(tl.float32)
         # conv weight [3 (q, k, v), P, 4 taps] by its strides: stock's [3P, 1, 4] or vLLM's
         # native-decode copy [3, 4, P] transposed
         wq = convw_ptr + (h * D + d) * stride_cw_p
         wk = wq + stride_cw_j
-        wv = convw_ptr + 2 * stride_cw_j + (h * D + v) * stride_cw_p
         wt = stride_cw_t
         wq0, wq1, wq2, wq3 = tl.load(wq), tl.load(wq + wt), tl.load(wq + 2 * wt), tl.load(wq + 3 * wt)
         wk0, wk1, wk2, wk3 = tl.load(wk), tl.load(wk + wt), tl.load(wk + 2 * wt), tl.load(wk + 3 * wt)
-        wv0, wv1, wv2, wv3 = tl.load(wv), tl.load(wv + wt), tl.load(wv + 2 * wt), tl.load(wv + 3 * wt)
         # g1 = f_a f_b^T for all q tokens at once (one dot, rows padded to 16), so that the
         # f_b rows need not stay in registers next to the state during the token loop
         tl.static_assert(Q <= 16, "kda_decode: the gate rows hold at most 16 tokens (the op allows q <= 8)")
@@ -135,59 +137,77 @@ if triton is not None:
         dtb = tl.load(dtb_ptr + h * D + d).to(tl.float32)
         norm_w = tl.load(normw_ptr + d).to(tl.float32)
         head = h * D * D
-        S = tl.load(rec_ptr + start_slot * stride_rec_s + head + v[:, None] * D + d[None, :])  # [BV, K]
+        S = tl.load(rec_ptr + start_slot * stride_rec_s + head + vb[:, None] * D + d[None, :])  # [BC, K]
+        cv = 2 * P + h * D + vb  # the first chunk's v channels and their window
+        v0 = tl.load(hist + cv).to(tl.float32)
+        v1 = tl.load(hist + stride_conv_r + cv).to(tl.float32)
+        v2 = tl.load(hist + 2 * stride_conv_r + cv).to(tl.float32)
         # Every thread must have read the saved conv window and state before any thread
         # overwrites them (a token's state may land in the slot it started from, and
         # the new conv rows overlap the window; elements can be replicated across threads).
         tl.debug_barrier()
         pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's loads are out
 
-        # the new conv state starts with the window's last two saved inputs; with a V split
-        # the q/k channels (read by every program of the head) are written by the last one
+        # the new conv state: the window's last two saved inputs, then the q tokens' own;
+        # with a V split the q/k channels (read by every program of the head) are written
+        # by the last one to finish
         conv_out = conv_ptr + slot0 * stride_conv_s
-        q1s, q2s, k1s, k2s = q1, q2, k1, k2
         if NV == 1:
-            _store_conv_rows(conv_out, 0, stride_conv_r, cq, ck, q1, k1, live)
-            _store_conv_rows(conv_out, 1, stride_conv_r, cq, ck, q2, k2, live)
-        tl.store(conv_out + cv, v1.to(conv_ptr.dtype.element_ty), mask=live)
-        tl.store(conv_out + stride_conv_r + cv, v2.to(conv_ptr.dtype.element_ty), mask=live)
+            _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, qkv_ptr, stride_qkv, r, Q, live)
+        if Q == 1:  # the one token's q, k, gate and beta serve every chunk
+            xq = tl.load(qkv_ptr + r * stride_qkv + cq).to(tl.float32)
+            xk = tl.load(qkv_ptr + r * stride_qkv + ck).to(tl.float32)
+            qn, kn, gate, beta = _qk_gate(xq, xk, q0, q1, q2, k0, k1, k2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3, g1_all,
+                                          tq, 0, a_h, dtb, lower_bound, beta_ptr + r * stride_beta + h, D, ROUND)
 
-        for t in tl.range(0, Q, loop_unroll_factor=1):  # rolled: 1.5x faster than unrolled at q = 4
-            row = r * Q + t
-            xq = tl.load(qkv_ptr + row * stride_qkv + cq).to(tl.float32)
-            xk = tl.load(qkv_ptr + row * stride_qkv + ck).to(tl.float32)
-            xv = tl.load(qkv_ptr + row * stride_qkv + cv).to(tl.float32)
-            yq = q0 * wq0 + q1 * wq1 + q2 * wq2 + xq * wq3
-            yk = k0 * wk0 + k1 * wk1 + k2 * wk2 + xk * wk3
-            yv = v0 * wv0 + v1 * wv1 + v2 * wv2 + xv * wv3
-            yq = bf16_round(yq * tl.sigmoid(yq), ROUND)
-            yk = bf16_round(yk * tl.sigmoid(yk), ROUND)
-            yv = bf16_round(yv * tl.sigmoid(yv), ROUND)
-            q0, q1, q2 = q1, q2, xq
-            k0, k1, k2 = k1, k2, xk
-            v0, v1, v2 = v1, v2, xv
-            if NV == 1:
-                _store_conv_rows(conv_out, 2 + t, stride_conv_r, cq, ck, xq, xk, live)
-            tl.store(conv_out + (2 + t) * stride_conv_r + cv, xv.to(conv_ptr.dtype.element_ty), mask=live)
+        for c in tl.range(0, NC, loop_unroll_factor=1):
+            v = vb + c * BC
+            cv = 2 * P + h * D + v
+            if NC > 1:
+                # every thread has read this chunk's rows and window (loaded one chunk
+                # ahead; elements can be replicated across threads) before any overwrites them
+                tl.debug_barrier()
+                nxt = c + 1 < NC
+                S_next = tl.load(rec_ptr + start_slot * stride_rec_s + head + (v + BC)[:, None] * D + d[None, :],
+                                 mask=nxt)
+                n0 = tl.load(hist + cv + BC, mask=nxt).to(tl.float32)
+                n1 = tl.load(hist + stride_conv_r + cv + BC, mask=nxt).to(tl.float32)
+                n2 = tl.load(hist + 2 * stride_conv_r + cv + BC, mask=nxt).to(tl.float32)
+            wv = convw_ptr + 2 * stride_cw_j + (h * D + v) * stride_cw_p
+            wv0, wv1, wv2, wv3 = tl.load(wv), tl.load(wv + wt), tl.load(wv + 2 * wt), tl.load(wv + 3 * wt)
+            tl.store(conv_out + cv, v1.to(conv_ptr.dtype.element_ty), mask=live)
+            tl.store(conv_out + stride_conv_r + cv, v2.to(conv_ptr.dtype.element_ty), mask=live)
+            a0, a1, a2, b0, b1, b2 = q0, q1, q2, k0, k1, k2  # the q/k windows, rolled per token
+            for t in tl.range(0, Q, loop_unroll_factor=1):  # rolled: 1.5x faster than unrolled at q = 4
+                row = r * Q + t
+                xv = tl.load(qkv_ptr + row * stride_qkv + cv).to(tl.float32)
+                yv = v0 * wv0 + v1 * wv1 + v2 * wv2 + xv * wv3
+                yv = bf16_round(yv * tl.sigmoid(yv), ROUND)
+                v0, v1, v2 = v1, v2, xv
+                tl.store(conv_out + (2 + t) * stride_conv_r + cv, xv.to(conv_ptr.dtype.element_ty), mask=live)
+                if Q > 1:
+                    xq = tl.load(qkv_ptr + row * stride_qkv + cq).to(tl.float32)
+                    xk = tl.load(qkv_ptr + row * stride_qkv + ck).to(tl.float32)
+                    qn, kn, gate, beta = _qk_gate(xq, xk, a0, a1, a2, b0, b1, b2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3,
+                                                  g1_all, tq, t, a_h, dtb, lower_bound, beta_ptr + row * stride_beta + h,
+                                                  D, ROUND)
+                    a0, a1, a2 = a1, a2, xq
+                    b0, b1, b2 = b1, b2, xk
 
-            qn = yq / tl.sqrt(tl.sum(yq * yq, 0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
-            kn = yk / tl.sqrt(tl.sum(yk * yk, 0) + 1e-6)
-            g1 = tl.sum(tl.where((tq == t)[:, None], g1_all, 0.0), 0)
-            gate = lower_bound * tl.sigmoid(a_h * (g1 + dtb))
-            beta = tl.sigmoid(tl.load(beta_ptr + row * stride_beta + h).to(tl.float32))
-
-            S = S * tl.exp(gate)[None, :]
-            u = beta * (yv - tl.sum(S * kn[None, :], 1))
-            S = S + u[:, None] * kn[None, :]
-            o = bf16_round(tl.sum(S * qn[None, :], 1), ROUND)
-            slot_t = tl.load(slots_ptr + r * Q + t)
-            keep = live & (slot_t > 0)
-            slot_t = tl.maximum(slot_t, 0).to(tl.int64)
-            tl.store(rec_ptr + slot_t * stride_rec_s + head + v[:, None] * D + d[None, :], S, mask=keep)
-            if NV == 1:
-                _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
-            else:
-                tl.store(ws_ptr + (row * H + h) * D + v, o)
+                S = S * tl.exp(gate)[None, :]
+                u = beta * (yv - tl.sum(S * kn[None, :], 1))
+                S = S + u[:, None] * kn[None, :]
+                o = bf16_round(tl.sum(S * qn[None, :], 1), ROUND)
+                slot_t = tl.load(slots_ptr + r * Q + t)
+                keep = live & (slot_t > 0)
+                slot_t = tl.maximum(slot_t, 0).to(tl.int64)
+                tl.store(rec_ptr + slot_t * stride_rec_s + head + v[:, None] * D + d[None, :], S, mask=keep)
+                if NV == 1 and NC == 1:
+                    _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
+                else:
+                    tl.store(ws_ptr + (row * H + h) * D + v, o)
+            if NC > 1:
+                S, v0, v1, v2 = S_next, n0, n1, n2
 
         if NV > 1:
             # the head's last program to arrive (every other one has read the conv window
@@ -196,14 +216,47 @@ if triton is not None:
             arrived = tl.atomic_add(cnt_ptr + r * H + h, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
                 tl.store(cnt_ptr + r * H + h, 0)
-                _store_conv_rows(conv_out, 0, stride_conv_r, cq, ck, q1s, k1s, live)
-                _store_conv_rows(conv_out, 1, stride_conv_r, cq, ck, q2s, k2s, live)
-                for t in tl.range(0, Q, loop_unroll_factor=1):
-                    row = r * Q + t
-                    _store_conv_rows(conv_out, 2 + t, stride_conv_r, cq, ck, tl.load(qkv_ptr + row * stride_qkv + cq),
-                                     tl.load(qkv_ptr + row * stride_qkv + ck), live)
-                    o = tl.load(ws_ptr + (row * H + h) * D + d, cache_modifier=".cg")
-                    _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
+                _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, qkv_ptr, stride_qkv, r, Q, live)
+                _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
+        elif NC > 1:
+            tl.debug_barrier()  # every chunk's o rows are out
+            _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
+
+    @triton.jit
+    def _qk_gate(xq, xk, q0, q1, q2, k0, k1, k2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3, g1_all, tq, t, a_h, dtb,
+                 lower_bound, beta_ptr, D: tl.constexpr, ROUND: tl.constexpr):
+        """Token ``t``'s L2-normalised q (scaled by D^-1/2) and k after conv and SiLU, its
+        gate and beta (``xq``, ``xk``: its q/k inputs; ``q0..k2``: the window before it)."""
+        yq = q0 * wq0 + q1 * wq1 + q2 * wq2 + xq * wq3
+        yk = k0 * wk0 + k1 * wk1 + k2 * wk2 + xk * wk3
+        yq = bf16_round(yq * tl.sigmoid(yq), ROUND)
+        yk = bf16_round(yk * tl.sigmoid(yk), ROUND)
+        qn = yq / tl.sqrt(tl.sum(yq * yq, 0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
+        kn = yk / tl.sqrt(tl.sum(yk * yk, 0) + 1e-6)
+        g1 = tl.sum(tl.where((tq == t)[:, None], g1_all, 0.0), 0)
+        gate = lower_bound * tl.sigmoid(a_h * (g1 + dtb))
+        beta = tl.sigmoid(tl.load(beta_ptr).to(tl.float32))
+        return qn, kn, gate, beta
+
+    @triton.jit
+    def _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, qkv_ptr, stride_qkv, r, Q: tl.constexpr, live):
+        """The q/k channels of the new conv state: the window's last two saved inputs, then
+        the q tokens' own."""
+        _store_conv_rows(conv_out, 0, stride_conv_r, cq, ck, q1, k1, live)
+        _store_conv_rows(conv_out, 1, stride_conv_r, cq, ck, q2, k2, live)
+        for t in tl.range(0, Q, loop_unroll_factor=1):
+            row = r * Q + t
+            _store_conv_rows(conv_out, 2 + t, stride_conv_r, cq, ck, tl.load(qkv_ptr + row * stride_qkv + cq),
+                             tl.load(qkv_ptr + row * stride_qkv + ck), live)
+
+    @triton.jit
+    def _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H: tl.constexpr,
+                   D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr):
+        """Every token's head output from its pre-norm o rows in the workspace."""
+        for t in tl.range(0, Q, loop_unroll_factor=1):
+            row = r * Q + t
+            o = tl.load(ws_ptr + (row * H + h) * D + d, cache_modifier=".cg")
+            _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
 
     @triton.jit
     def _store_conv_rows(conv_out, i, stride_conv_r, cq, ck, xq, xk, live):
@@ -246,13 +299,13 @@ def kda_decode(
     mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
     f_b_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (f_b_weight, A_log, dt_bias, norm_weight))
     out = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
-    nv = v_split(R, H)
+    nv, bc = v_split(R, H, D)
     _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv),
+        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, BC=bc, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
@@ -278,22 +331,36 @@ def versus_native(requests) -> str:
         "benchmarks/kda_kernel.py --vllm-native)" if slower else ""
 
 
-def v_split(R: int, H: int) -> int:
-    """V blocks per head: 4 while the split programs fill at most 3/4 of the SMs, else 1.
-    On H200 at 12 heads 4 blocks gain at 1 request (kernel 5.8 vs 6.4 us at q = 1, 11.5
-    vs 16.7 at q = 4, docs/results/kda_kernel_h200_v5.json) and 2 (the q = 4, 8-row
-    layer step: 53.5 vs 59.9 us, kda_layer_q4_h200_v5.json) and lose from 8 requests on;
-    2 blocks never won."""
-    return 4 if R * H * 4 <= 3 * SMS // 4 else 1
+# Rows of S a program streams at a time where more programs than two an SM would hold
+# every head (None: the whole block). Not yet timed on a GPU: benchmarks/kda_kernel.py
+# --v-chunk 0 32 64 decides it.
+CHUNK: int | None = None
+
+
+def v_split(R: int, H: int, D: int) -> tuple[int, int]:
+    """(NV, BC): V blocks per head, and the rows of S a program holds at a time.
+
+    NV = 4 while the split programs fill at most 3/4 of the SMs, else 1. On H200 at 12
+    heads 4 blocks gain at 1 request (kernel 5.8 vs 6.4 us at q = 1, 11.5 vs 16.7 at q = 4,
+    docs/results/kda_kernel_h200_v5.json) and 2 (the q = 4, 8-row layer step: 53.5 vs
+    59.9 us, kda_layer_q4_h200_v5.json) and lose from 8 requests on; 2 blocks never won.
+    BC = D / NV (the whole block at once) while two programs an SM hold every head (a
+    [128, 128] fp32 block is 255 registers a thread at 4 warps, with spills: two
+    programs an SM), else ``CHUNK`` rows streamed one ahead (32: 168 registers, three an
+    SM), so that each program overlaps its next rows' loads with its arithmetic."""
+    nv = 4 if R * H * 4 <= 3 * SMS // 4 else 1
+    return nv, (min(CHUNK, D // nv) if CHUNK and R * H * nv > 2 * SMS else D // nv)
 
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-                recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1) -> tuple:
-    """The Triton kernel's positional arguments (strides, and with ``nv`` > 1 the V-split
-    workspace and arrival counters, included)."""
-    R, H = state_slots.shape[0], recurrent_state.shape[1]
-    ws = torch.empty(out.shape[0], H, recurrent_state.shape[-1], dtype=torch.float32, device=out.device) \
-        if nv > 1 else out
+                recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1,
+                bc: int = 0) -> tuple:
+    """The Triton kernel's positional arguments (strides, and with ``nv`` > 1 or ``bc``
+    rows of a block at a time the pre-norm workspace, with ``nv`` > 1 the arrival
+    counters, included)."""
+    R, H, D = state_slots.shape[0], recurrent_state.shape[1], recurrent_state.shape[-1]
+    ws = torch.empty(out.shape[0], H, D, dtype=torch.float32, device=out.device) \
+        if nv > 1 or 0 < bc < D // nv else out
     cnt = arrival_counters(out.device, R * H) if nv > 1 else state_slots
     cw = conv_weight if conv_weight.dim() == 3 and conv_weight.shape[0] == 3 else conv_weight.view(3, -1, conv_weight.shape[-1])
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),

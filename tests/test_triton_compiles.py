@@ -186,10 +186,10 @@ def test_mxfp4_expert_kernels_fit_their_register_cap():
 
 
 @pytest.mark.skipif(dsa_index.INTERPRET, reason="TRITON_INTERPRET=1 replaces the jitted kernels")
-@pytest.mark.parametrize("nv", [1, 4])
-def test_kda_kernel_compiles_for_sm90(nv):
+@pytest.mark.parametrize("nv, bc", [(1, 128), (4, 32), (1, 32)])
+def test_kda_kernel_compiles_for_sm90(nv, bc):
     """The fused KDA decode kernel at TP8 per-rank shapes (12 heads of 128), states
-    addressed by slot stride; with PDL it releases o_proj only after its wait and its
+    addressed by slot stride, S whole or in chunks of ``bc`` rows; with PDL it releases o_proj only after its wait and its
     state load (the recurrent state's fp32 loads come before ``launch_dependents``)."""
     from kimi_inductor.kernels import kda_decode
 
@@ -200,7 +200,7 @@ def test_kda_kernel_compiles_for_sm90(nv):
     ints = ("stride_qkv", "stride_fa", "stride_g2", "stride_beta", "stride_conv_s", "stride_conv_r", "stride_rec_s",
             "stride_out", "stride_cw_j", "stride_cw_p")
     params = kda_decode._kda_decode_kernel.arg_names
-    constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv, "PDL": True,
+    constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv, "BC": bc, "PDL": True,
                   "stride_cw_t": 1}  # stock's conv weight: Triton specialises the unit stride
     sig = {name: ptrs.get(name) or ("i32" if name in ints else "fp32" if name in ("lower_bound", "eps")
                                     else "constexpr") for name in params}

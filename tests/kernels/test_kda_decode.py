@@ -34,10 +34,12 @@ def inputs(R, q, H, D, seed):
 
 @pytest.mark.parametrize("H, D", SHAPES)
 @pytest.mark.parametrize("R, q", [(1, 1), (3, 1), (5, 4), (2, 8)])
-@pytest.mark.parametrize("dtype, nv", [(torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 4)])
-def test_kernel_matches_reference(R, q, H, D, dtype, nv, monkeypatch):
-    """``nv``: V blocks per head (4: the last-arriving program normalises and writes q/k conv)."""
-    monkeypatch.setattr(K, "v_split", lambda R, H: nv)
+@pytest.mark.parametrize("dtype, nv, nc", [(torch.bfloat16, 1, 1), (torch.float32, 1, 1), (torch.bfloat16, 4, 1),
+                                           (torch.bfloat16, 1, 4), (torch.bfloat16, 2, 2)])
+def test_kernel_matches_reference(R, q, H, D, dtype, nv, nc, monkeypatch):
+    """``nv``: V blocks per head (4: the last-arriving program normalises and writes q/k
+    conv); ``nc``: chunks of a block, streamed one ahead."""
+    monkeypatch.setattr(K, "v_split", lambda R, H, D: (nv, D // nv // nc))
     x = inputs(R, q, H, D, seed=R * 10 + q)
     if dtype == torch.float32:
         x = {k: (v.float() if k in ("mixed_qkv", "f_a", "f_b_weight", "g2", "beta", "norm_weight", "conv_state")
