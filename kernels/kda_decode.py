@@ -49,6 +49,7 @@ tests); the stock reference elsewhere (CPU, or shapes the kernel does not cover)
 
 from __future__ import annotations
 
+import os
 
 import torch
 import torch.nn.functional as F
@@ -332,9 +333,14 @@ def versus_native(requests) -> str:
 
 
 # Rows of S a program streams at a time where more programs than two an SM would hold
-# every head (None: the whole block). Not yet timed on a GPU: benchmarks/kda_kernel.py
+# every head (0: the whole block). Not yet timed on a GPU: benchmarks/kda_kernel.py
 # --v-chunk 0 32 64 decides it.
-CHUNK: int | None = None
+CHUNK = 0
+
+
+def chunk_rows() -> int:
+    """CHUNK, or ``KIMI_INDUCTOR_KDA_CHUNK`` (to measure the layer with another)."""
+    return int(os.environ.get("KIMI_INDUCTOR_KDA_CHUNK", CHUNK))
 
 
 def v_split(R: int, H: int, D: int) -> tuple[int, int]:
@@ -348,8 +354,8 @@ def v_split(R: int, H: int, D: int) -> tuple[int, int]:
     [128, 128] fp32 block is 255 registers a thread at 4 warps, with spills: two
     programs an SM), else ``CHUNK`` rows streamed one ahead (32: 168 registers, three an
     SM), so that each program overlaps its next rows' loads with its arithmetic."""
-    nv = 4 if R * H * 4 <= 3 * SMS // 4 else 1
-    return nv, (min(CHUNK, D // nv) if CHUNK and R * H * nv > 2 * SMS else D // nv)
+    nv, chunk = 4 if R * H * 4 <= 3 * SMS // 4 else 1, chunk_rows()
+    return nv, (min(chunk, D // nv) if chunk and R * H * nv > 2 * SMS else D // nv)
 
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,

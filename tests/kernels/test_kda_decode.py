@@ -104,3 +104,15 @@ def test_native_decode_weights(H, D):
         runs.append((torch.ops.kimi_kernels.kda_decode(**y), y["conv_state"], y["recurrent_state"]))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_v_split_streams_chunks_past_two_programs_an_sm(monkeypatch):
+    """Whole blocks while two programs an SM hold every head; ``CHUNK`` rows past that
+    (``KIMI_INDUCTOR_KDA_CHUNK``); V split in 4 while the split programs leave SMs idle."""
+    monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", "32")
+    two_per_sm = 2 * K.SMS // 12
+    assert K.v_split(1, 12, 128) == (4, 32)
+    assert K.v_split(two_per_sm, 12, 128) == (1, 128)
+    assert K.v_split(two_per_sm + 1, 12, 128) == (1, 32)
+    monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", "0")
+    assert K.v_split(two_per_sm + 1, 12, 128) == (1, 128)
