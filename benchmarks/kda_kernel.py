@@ -143,7 +143,7 @@ def main(argv=None) -> Results:
                         row[f"ours_w{w}_nv{nv}" + (f"_bc{bc}" if bc < D // nv else "") + "_us"] = graph_time_us(
                             lambda i: K._kda_decode_kernel[(R, H, nv)](*kargs, H=H, D=D, Q=q, ROUND=True, DOT_F32=False,
                                                                        NV=nv, BC=bc, num_warps=w, **pdl(out.device)))
-            row["v_split"], row["v_chunk"] = K.v_split(R, H, D)
+            row["v_split"], row["v_chunk"] = K.v_split(R, H, D, q)
             if vllm and q == 1:
                 row["vllm_core_us"] = graph_time_us(lambda i: vllm(x))
                 best = min(v for k, v in row.items() if k.startswith("ours_w"))

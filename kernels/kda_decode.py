@@ -20,11 +20,12 @@ read through their row strides: the op takes any layout (``flexible_layout``), s
 hands it the in-projection's column slices as views, not copies (with its row padding,
 the output's stride is not the slices' FX stride).
 
-Chunks (``v_split``'s BC < D / NV, with ``CHUNK`` set: more programs than two an SM hold): a program
-streams its V block in chunks of BC rows, each chunk's S rows and v window loaded one
-chunk ahead, q/k/gate/beta of a one-token step computed once for every chunk, the
-pre-norm o rows to the fp32 workspace and normalised after the last chunk (a 32-row
-chunk: 168 registers a thread, three programs an SM; the whole block: 255 and two).
+Chunks (``v_split``'s BC < D / NV: at q = 1 where the programs outnumber the SMs but
+fit three an SM): a program streams its V block in chunks of BC rows, each chunk's S
+rows and v window loaded one chunk ahead, q/k/gate/beta of a one-token step computed
+once for every chunk, the pre-norm o rows to the fp32 workspace and normalised after
+the last chunk (a 32-row chunk: 168 registers a thread, three programs an SM; the whole
+block: 255 and two).
 
 V split (``v_split``: NV = 4 blocks when few requests leave SMs idle): every program
 of a head recomputes q, k, the gate and g1 (cheap) and owns BV = D / NV rows of S and the
@@ -300,7 +301,7 @@ def kda_decode(
     mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
     f_b_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (f_b_weight, A_log, dt_bias, norm_weight))
     out = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
-    nv, bc = v_split(R, H, D)
+    nv, bc = v_split(R, H, D, Q)
     _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
         recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc),
@@ -332,30 +333,33 @@ def versus_native(requests) -> str:
         "benchmarks/kda_kernel.py --vllm-native)" if slower else ""
 
 
-# Rows of S a program streams at a time where more programs than two an SM would hold
-# every head (0: the whole block). Not yet timed on a GPU: benchmarks/kda_kernel.py
-# --v-chunk 0 32 64 decides it.
-CHUNK = 0
+# Rows of S a program streams at a time where its programs overfill the SMs but at most
+# three an SM (0: always the whole block). H100, TP8 heads, q = 1, kernel us whole / 32-row
+# chunks (docs/results/session23_h100/kda_kernel_chunk.json, kda_regs.json): 7.19 / 8.02
+# at 8 requests, 13.76 / 10.68 at 16, 17.01 / 15.63 at 24, 18.93 / 15.36 at 32, 32.59 /
+# 39.36 at 48, 45.02 / 54.29 at 64; at q = 4 the chunks lost at every count.
+CHUNK = 32
 
 
 def chunk_rows() -> int:
-    """CHUNK, or ``KIMI_INDUCTOR_KDA_CHUNK`` (to measure the layer with another)."""
+    """CHUNK, or ``KIMI_INDUCTOR_KDA_CHUNK`` (0: off, to measure what it gives)."""
     return int(os.environ.get("KIMI_INDUCTOR_KDA_CHUNK", CHUNK))
 
 
-def v_split(R: int, H: int, D: int) -> tuple[int, int]:
+def v_split(R: int, H: int, D: int, Q: int = 1) -> tuple[int, int]:
     """(NV, BC): V blocks per head, and the rows of S a program holds at a time.
 
     NV = 4 while the split programs fill at most 3/4 of the SMs, else 1. On H200 at 12
     heads 4 blocks gain at 1 request (kernel 5.8 vs 6.4 us at q = 1, 11.5 vs 16.7 at q = 4,
     docs/results/kda_kernel_h200_v5.json) and 2 (the q = 4, 8-row layer step: 53.5 vs
     59.9 us, kda_layer_q4_h200_v5.json) and lose from 8 requests on; 2 blocks never won.
-    BC = D / NV (the whole block at once) while two programs an SM hold every head (a
-    [128, 128] fp32 block is 255 registers a thread at 4 warps, with spills: two
-    programs an SM), else ``CHUNK`` rows streamed one ahead (32: 168 registers, three an
-    SM), so that each program overlaps its next rows' loads with its arithmetic."""
+    BC = ``CHUNK`` rows streamed one ahead where a one-token step's programs outnumber the
+    SMs but fit three an SM (a [128, 128] fp32 block is 255 registers a thread at 4 warps,
+    with spills: two programs an SM; a 32-row chunk with the next in flight 168: three),
+    so that each program overlaps its next rows' loads with its arithmetic; else the
+    whole block, D / NV (past three an SM the whole blocks keep more bytes in flight)."""
     nv, chunk = 4 if R * H * 4 <= 3 * SMS // 4 else 1, chunk_rows()
-    return nv, (min(chunk, D // nv) if chunk and R * H * nv > 2 * SMS else D // nv)
+    return nv, (min(chunk, D // nv) if chunk and Q == 1 and SMS < R * H * nv <= 3 * SMS else D // nv)
 
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,

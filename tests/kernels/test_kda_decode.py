@@ -106,13 +106,14 @@ def test_native_decode_weights(H, D):
         assert torch.equal(a, b)
 
 
-def test_v_split_streams_chunks_past_two_programs_an_sm(monkeypatch):
-    """Whole blocks while two programs an SM hold every head; ``CHUNK`` rows past that
-    (``KIMI_INDUCTOR_KDA_CHUNK``); V split in 4 while the split programs leave SMs idle."""
+def test_v_split_streams_chunks_between_one_and_three_programs_an_sm(monkeypatch):
+    """One-token steps stream ``CHUNK`` rows (``KIMI_INDUCTOR_KDA_CHUNK``) where the
+    programs outnumber the SMs but fit three an SM; whole blocks elsewhere; V split in 4
+    while the split programs leave SMs idle."""
     monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", "32")
-    two_per_sm = 2 * K.SMS // 12
+    one, three = K.SMS // 12, 3 * K.SMS // 12  # requests of 12 heads
     assert K.v_split(1, 12, 128) == (4, 32)
-    assert K.v_split(two_per_sm, 12, 128) == (1, 128)
-    assert K.v_split(two_per_sm + 1, 12, 128) == (1, 32)
+    assert [K.v_split(R, 12, 128)[1] for R in (one, one + 1, three, three + 1)] == [128, 32, 32, 128]
+    assert K.v_split(one + 1, 12, 128, Q=4) == (1, 128)
     monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", "0")
-    assert K.v_split(two_per_sm + 1, 12, 128) == (1, 128)
+    assert K.v_split(one + 1, 12, 128) == (1, 128)
