@@ -117,6 +117,8 @@ if triton is not None:
         k0 = tl.load(hist + ck).to(tl.float32)
         k1 = tl.load(hist + stride_conv_r + ck).to(tl.float32)
         k2 = tl.load(hist + 2 * stride_conv_r + ck).to(tl.float32)
+        xq = tl.load(qkv_ptr + r * Q * stride_qkv + cq).to(tl.float32)  # the first token's q and k inputs
+        xk = tl.load(qkv_ptr + r * Q * stride_qkv + ck).to(tl.float32)
         # conv weight [3 (q, k, v), P, 4 taps] by its strides: stock's [3P, 1, 4] or vLLM's
         # native-decode copy [3, 4, P] transposed
         wq = convw_ptr + (h * D + d) * stride_cw_p
@@ -155,10 +157,8 @@ if triton is not None:
         # by the last one to finish
         conv_out = conv_ptr + slot0 * stride_conv_s
         if NV == 1:
-            _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, qkv_ptr, stride_qkv, r, Q, live)
+            _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, xq, xk, qkv_ptr, stride_qkv, r, Q, live)
         if Q == 1:  # the one token's q, k, gate and beta serve every chunk
-            xq = tl.load(qkv_ptr + r * stride_qkv + cq).to(tl.float32)
-            xk = tl.load(qkv_ptr + r * stride_qkv + ck).to(tl.float32)
             qn, kn, gate, beta = _qk_gate(xq, xk, q0, q1, q2, k0, k1, k2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3, g1_all,
                                           tq, 0, a_h, dtb, lower_bound, beta_ptr + r * stride_beta + h, D, ROUND)
 
@@ -188,13 +188,13 @@ if triton is not None:
                 v0, v1, v2 = v1, v2, xv
                 tl.store(conv_out + (2 + t) * stride_conv_r + cv, xv.to(conv_ptr.dtype.element_ty), mask=live)
                 if Q > 1:
-                    xq = tl.load(qkv_ptr + row * stride_qkv + cq).to(tl.float32)
-                    xk = tl.load(qkv_ptr + row * stride_qkv + ck).to(tl.float32)
-                    qn, kn, gate, beta = _qk_gate(xq, xk, a0, a1, a2, b0, b1, b2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3,
+                    iq = tl.load(qkv_ptr + row * stride_qkv + cq).to(tl.float32)
+                    ik = tl.load(qkv_ptr + row * stride_qkv + ck).to(tl.float32)
+                    qn, kn, gate, beta = _qk_gate(iq, ik, a0, a1, a2, b0, b1, b2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3,
                                                   g1_all, tq, t, a_h, dtb, lower_bound, beta_ptr + row * stride_beta + h,
                                                   D, ROUND)
-                    a0, a1, a2 = a1, a2, xq
-                    b0, b1, b2 = b1, b2, xk
+                    a0, a1, a2 = a1, a2, iq
+                    b0, b1, b2 = b1, b2, ik
 
                 S = S * tl.exp(gate)[None, :]
                 u = beta * (yv - tl.sum(S * kn[None, :], 1))
@@ -218,7 +218,8 @@ if triton is not None:
             arrived = tl.atomic_add(cnt_ptr + r * H + h, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
                 tl.store(cnt_ptr + r * H + h, 0)
-                _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, qkv_ptr, stride_qkv, r, Q, live)
+                _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, xq, xk, qkv_ptr, stride_qkv, r, Q,
+                                 live)
                 _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
         elif NC > 1:
             tl.debug_barrier()  # every chunk's o rows are out
@@ -241,12 +242,14 @@ if triton is not None:
         return qn, kn, gate, beta
 
     @triton.jit
-    def _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, qkv_ptr, stride_qkv, r, Q: tl.constexpr, live):
+    def _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, xq, xk, qkv_ptr, stride_qkv, r,
+                         Q: tl.constexpr, live):
         """The q/k channels of the new conv state: the window's last two saved inputs, then
-        the q tokens' own."""
+        the q tokens' own (``xq``, ``xk``: the first token's, in registers)."""
         _store_conv_rows(conv_out, 0, stride_conv_r, cq, ck, q1, k1, live)
         _store_conv_rows(conv_out, 1, stride_conv_r, cq, ck, q2, k2, live)
-        for t in tl.range(0, Q, loop_unroll_factor=1):
+        _store_conv_rows(conv_out, 2, stride_conv_r, cq, ck, xq, xk, live)
+        for t in tl.range(1, Q, loop_unroll_factor=1):
             row = r * Q + t
             _store_conv_rows(conv_out, 2 + t, stride_conv_r, cq, ck, tl.load(qkv_ptr + row * stride_qkv + cq),
                              tl.load(qkv_ptr + row * stride_qkv + ck), live)

@@ -39,7 +39,7 @@ def inputs(R, q, H, D, seed):
 def test_kernel_matches_reference(R, q, H, D, dtype, nv, nc, monkeypatch):
     """``nv``: V blocks per head (4: the last-arriving program normalises and writes q/k
     conv); ``nc``: chunks of a block, streamed one ahead."""
-    monkeypatch.setattr(K, "v_split", lambda R, H, D: (nv, D // nv // nc))
+    monkeypatch.setattr(K, "v_split", lambda R, H, D, Q=1: (nv, D // nv // nc))
     x = inputs(R, q, H, D, seed=R * 10 + q)
     if dtype == torch.float32:
         x = {k: (v.float() if k in ("mixed_qkv", "f_a", "f_b_weight", "g2", "beta", "norm_weight", "conv_state")
