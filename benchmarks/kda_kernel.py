@@ -110,7 +110,7 @@ def main(argv=None) -> Results:
     p.add_argument("--q", type=int, nargs="+", default=[1, 4])
     p.add_argument("--warps", type=int, nargs="+", default=[4])
     p.add_argument("--v-split", type=int, nargs="+", default=[1, 2, 4], help="V blocks per head")
-    p.add_argument("--v-chunk", type=int, nargs="+", default=[0],
+    p.add_argument("--v-chunk", type=int, nargs="+", default=[0], choices=[0, 8, 16, 32, 64, 128],
                    help="rows of S a program streams at a time (0: its whole block)")
     p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its decode core too (q = 1)")
     p.add_argument("--vllm-native", help="vLLM 0.33.0's _C_stable_libtorch.abi3.so: time its fused_kda_decode (q = 1)")

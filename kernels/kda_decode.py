@@ -150,7 +150,7 @@ if triton is not None:
         # overwrites them (a token's state may land in the slot it started from, and
         # the new conv rows overlap the window; elements can be replicated across threads).
         tl.debug_barrier()
-        pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's loads are out
+        pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's first loads are out
 
         # the new conv state: the window's last two saved inputs, then the q tokens' own;
         # with a V split the q/k channels (read by every program of the head) are written
@@ -346,7 +346,12 @@ CHUNK = 32
 
 def chunk_rows() -> int:
     """CHUNK, or ``KIMI_INDUCTOR_KDA_CHUNK`` (0: off, to measure what it gives)."""
-    return int(os.environ.get("KIMI_INDUCTOR_KDA_CHUNK", CHUNK))
+    value = os.environ.get("KIMI_INDUCTOR_KDA_CHUNK", str(CHUNK))
+    rows = int(value) if value.isdigit() else -1
+    if rows and (rows & (rows - 1) or not 1 <= rows <= 128):
+        raise ValueError(f"KIMI_INDUCTOR_KDA_CHUNK={value!r}: rows of S a program streams at a time must be 0 (off) "
+                         "or a power of two up to 128 (a chunk tiles the head's V rows)")
+    return rows
 
 
 def v_split(R: int, H: int, D: int, Q: int = 1) -> tuple[int, int]:

@@ -189,8 +189,9 @@ def test_mxfp4_expert_kernels_fit_their_register_cap():
 @pytest.mark.parametrize("nv, bc", [(1, 128), (4, 32), (1, 32)])
 def test_kda_kernel_compiles_for_sm90(nv, bc):
     """The fused KDA decode kernel at TP8 per-rank shapes (12 heads of 128), states
-    addressed by slot stride, S whole or in chunks of ``bc`` rows; with PDL it releases o_proj only after its wait and its
-    state load (the recurrent state's fp32 loads come before ``launch_dependents``)."""
+    addressed by slot stride, S whole or in chunks of ``bc`` rows; with PDL it releases
+    o_proj only after its wait and its state load (the recurrent state's fp32 loads come
+    before ``launch_dependents``)."""
     from kimi_inductor.kernels import kda_decode
 
     ptrs = {"qkv_ptr": "*bf16", "fa_ptr": "*bf16", "fbw_ptr": "*bf16", "g2_ptr": "*bf16", "beta_ptr": "*bf16",

@@ -117,3 +117,7 @@ def test_v_split_streams_chunks_between_one_and_three_programs_an_sm(monkeypatch
     assert K.v_split(one + 1, 12, 128, Q=4) == (1, 128)
     monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", "0")
     assert K.v_split(one + 1, 12, 128) == (1, 128)
+    for bad in ("48", "256", "-32", "x"):
+        monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", bad)
+        with pytest.raises(ValueError, match="KIMI_INDUCTOR_KDA_CHUNK"):
+            K.v_split(one + 1, 12, 128)
