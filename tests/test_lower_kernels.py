@@ -301,3 +301,43 @@ def test_mla_merge_moves_into_the_gated_v_up_projection(monkeypatch, merge_into_
     assert folded or any("merge apart from the v up-projection: 2 rows: taken up to 1" in s for s in info.skipped)
     monkeypatch.setattr(mla_kernel, "MERGE_INTO_UP", 0)
     assert torch.equal(compile_tiny("tiny", q=1, requests=2, padding=0)[1], out)
+
+
+@pytest.mark.parametrize("q, requests, padding", [(1, 2, 0), (4, 3, 1)])
+def test_kda_output_gate_moves_into_the_kda_kernel(monkeypatch, q, requests, padding):
+    """Where ``kda_decode.gate_in_kernel`` takes it (forced here: not yet measured), each
+    KDA layer's in-projection becomes our GEMV leaving out its g2 rows (read in place)
+    and the fused KDA op computes g2 from the projection's input and those rows; the
+    report names it. On CPU the step is bitwise the unfolded one. Where the in-projection
+    stays on cuBLAS the gate stays in it, and the report says why."""
+    from kimi_inductor.kernels import skinny_gemm
+    from kimi_inductor.passes.graph import OpCall
+
+    kk = torch.ops.kimi_kernels
+    graphs, steps = {}, {}
+    # the tiny in-projection (hidden 128 -> [q k v 384 | g2 128 | f_a 16 | beta 8 | pad 8]) on ours
+    monkeypatch.setitem(skinny_gemm.FASTEST, (544, 128), ((64, "tl_dot"),))
+    for gate in ("1", "0"):
+        monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", gate)
+        backend, steps[gate] = compile_tiny("tiny", q=q, requests=requests, padding=padding,
+                                            observer=lambda stage, gm: graphs.setdefault((gate, stage), gm.graph))
+        nodes = list(graphs[(gate, "after lower_kernels")].nodes)
+        gapped = [n for n in nodes if n.target is kk.skinny_mm.default and tuple(n.args[4:]) == (384, 128)]
+        gated = [c for n in nodes if (c := OpCall.of(n)) and c.op is kk.kda_decode.default
+                 and c.arg("g2_weight") is not None]
+        kda = [layer for layer in backend.report.layers if layer.kind == "kda"]
+        if gate == "1":
+            assert len(gapped) == len(gated) == len(kda) == 6
+            assert all(c.arg("g2") is None and c.arg("g2_weight").target is torch.ops.aten.slice.Tensor for c in gated)
+            assert all("fused KDA + output gate x1" in layer.notes["kernels"] for layer in kda)
+        else:
+            assert not gapped and not gated
+            info = next(p for p in backend.report.passes if p.name == "lower_kernels")
+            assert any("KDA output gate in the in-projection: KIMI_INDUCTOR_KDA_GATE=0" in s for s in info.skipped)
+    assert torch.equal(steps["1"], steps["0"])
+    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "1")
+    monkeypatch.delitem(skinny_gemm.FASTEST, (544, 128))
+    backend, _ = compile_tiny("tiny", q=q, requests=requests, padding=padding)
+    info = next(p for p in backend.report.passes if p.name == "lower_kernels")
+    assert any("KDA output gate in the in-projection: the in-projection runs on cuBLAS here" in s
+               for s in info.skipped)

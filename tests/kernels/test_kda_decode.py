@@ -61,6 +61,33 @@ def test_kernel_matches_reference(R, q, H, D, dtype, nv, nc, monkeypatch):
 
 
 @pytest.mark.parametrize("H, D", SHAPES)
+@pytest.mark.parametrize("R, q", [(1, 1), (3, 1), (2, 4)])
+@pytest.mark.parametrize("nv, nc", [(1, 1), (4, 1), (2, 2)])
+def test_output_gate_computed_in_the_kernel(R, q, H, D, nv, nc, monkeypatch):
+    """With ``x`` and ``g2_weight`` in place of g2, the kernel's gate programs compute g2 =
+    x W_g2^T beside the recurrence and the head's last program to arrive normalises:
+    the reference's values (stock's GEMM for g2), the same states, both arrival counters
+    reset; padding rows zero. Giving both forms, or neither, is refused."""
+    monkeypatch.setattr(K, "v_split", lambda R, H, D, Q=1: (nv, D // nv // nc))
+    hidden = 7168 if DEVICE == "cuda" else 96  # not a multiple of the gate programs' K step on CPU
+    x = inputs(R, q, H, D, seed=R * 10 + q + 1)
+    g = torch.Generator().manual_seed(hidden)
+    x.update(g2=None, x=torch.randn(R * q, hidden, generator=g).to(torch.bfloat16),
+             g2_weight=(torch.randn(4 * H * D, hidden, generator=g) * hidden**-0.5).to(torch.bfloat16)[H * D:2 * H * D])
+    want_conv, want_rec = x["conv_state"].clone(), x["recurrent_state"].clone()
+    want = K.reference(**{**x, "conv_state": want_conv, "recurrent_state": want_rec})
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    got = torch.ops.kimi_kernels.kda_decode(**dev)
+    assert not K.arrival_counters(got.device, 2 * R * H).any()
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(dev["conv_state"].cpu(), want_conv)
+    torch.testing.assert_close(dev["recurrent_state"].cpu(), want_rec, atol=1e-3, rtol=1e-3)
+    assert got.view(R, q, -1)[1 % R].abs().max() == 0  # the padding request
+    with pytest.raises(ValueError, match="either as g2 or as x and g2_weight"):
+        torch.ops.kimi_kernels.kda_decode(**{**dev, "g2": got})
+
+
+@pytest.mark.parametrize("H, D", SHAPES)
 def test_states_as_views_of_one_page_per_slot(H, D):
     """vLLM binds a KDA layer's conv and recurrent states as bf16 / fp32 views of one int8
     page per slot (slot stride = the page, not the state): ``kda_decode_paged`` reads and
