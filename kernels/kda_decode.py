@@ -35,6 +35,15 @@ bumps the head's arrival counter (acq_rel); the last to arrive writes the q/k co
 state and normalises every token, then resets the counter (one kernel; the arrival
 order does not change any value).
 
+Output gate in the kernel (``x`` [T, hidden] and ``g2_weight`` [P, hidden], the
+in-projection's gate rows, in place of ``g2``; ``passes/kda_gate.py``): D / 16 more
+programs per head (in request 0's slice of the grid; the others' return at once) each
+stream 16 rows of W_g2 against all T rows of x (``tl.dot``, T <= 64) before their PDL
+wait (x is two launches back, W a weight), so the bytes move once while the recurrence
+runs; after the wait they write g2 (rounded to bf16, as the GEMM's output) to a
+workspace. Each request's recurrence programs and the head's gate programs meet at a
+second arrival counter; the last to arrive normalises that request's head.
+
 PDL: the kernel releases its dependents (o_proj's GEMV, which reads its weights before
 its own wait) only after its state and weight loads, not at its start: that overlaps
 o_proj's weight stream with the latency-bound recurrence without competing with its
@@ -87,15 +96,17 @@ if triton is not None:
         cnt_ptr, x_ptr, stride_x, wg_ptr, stride_wg, hidden,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr, BC: tl.constexpr, NG: tl.constexpr, BKG: tl.constexpr, PDL: tl.constexpr,
+        NV: tl.constexpr, BC: tl.constexpr, NG: tl.constexpr, TB: tl.constexpr, BKG: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         r = tl.program_id(0)
         h = tl.program_id(1)
         if NG > 0:
-            if tl.program_id(2) >= NV:  # one of the head's NG output-gate programs
-                _gate_program(x_ptr, stride_x, wg_ptr, stride_wg, hidden, g2_ptr, stride_g2, ws_ptr, cnt_ptr,
-                              slots_ptr, normw_ptr, out_ptr, stride_out, eps, r, h, tl.program_id(2) - NV, H, D, Q,
-                              NV, NG, BKG, ROUND, DOT_F32, PDL)
+            if tl.program_id(2) >= NV:  # one of the head's NG output-gate programs (request 0's serve all)
+                if r == 0:
+                    _gate_program(x_ptr, stride_x, wg_ptr, stride_wg, hidden, g2_ptr, stride_g2, ws_ptr, cnt_ptr,
+                                  slots_ptr, normw_ptr, out_ptr, stride_out, eps, h, tl.program_id(2) - NV, H, D,
+                                  Q, NV, NG, TB, BKG, ROUND, DOT_F32, PDL)
                 return
         pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         BV: tl.constexpr = D // NV
@@ -239,36 +250,40 @@ if triton is not None:
 
     @triton.jit
     def _gate_program(x_ptr, stride_x, wg_ptr, stride_wg, hidden, g2_ptr, stride_g2, ws_ptr, cnt_ptr, slots_ptr,
-                      normw_ptr, out_ptr, stride_out, eps, r, h, j, H: tl.constexpr, D: tl.constexpr,
-                      Q: tl.constexpr, NV: tl.constexpr, NG: tl.constexpr, BKG: tl.constexpr, ROUND: tl.constexpr,
-                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        """Output-gate program ``j`` of head ``h``: request ``r``'s q rows of g2 = x W_g2^T,
-        columns h D + j D / NG .. (the in-projection's gate rows, which its GEMV leaves
-        out), rounded to bf16 as that GEMM's output. x and W_g2 are read before the PDL
-        wait (x is two launches back: complete; W a weight), so this stream overlaps the
-        in-projection's tail and the recurrence; g2 is written after it."""
+                      normw_ptr, out_ptr, stride_out, eps, h, j, H: tl.constexpr, D: tl.constexpr,
+                      Q: tl.constexpr, NV: tl.constexpr, NG: tl.constexpr, TB: tl.constexpr, BKG: tl.constexpr,
+                      ROUND: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        """Output-gate program ``j`` of head ``h``: g2 = x W_g2^T for all T = R q rows (TB >=
+        T, the dot's padded side), columns h D + j D / NG .. (the in-projection's gate rows,
+        which its GEMV leaves out), rounded to bf16 as that GEMM's output; W_g2 is read once
+        for every request. x and W_g2 are read before the PDL wait (x is two launches
+        back: complete; W a weight), so this stream overlaps the in-projection's tail and
+        the recurrence; g2 is written after it, then the program arrives at every
+        request's counter for the head."""
         BN: tl.constexpr = D // NG
+        R = tl.num_programs(0)
         rn = h * D + j * BN + tl.arange(0, BN)
-        tq = tl.arange(0, 16)  # the request's q tokens, padded to the dot's 16
-        acc = tl.zeros([BN, 16], dtype=tl.float32)
+        tt = tl.arange(0, TB)
+        acc = tl.zeros([BN, TB], dtype=tl.float32)
         for k0 in range(0, hidden, BKG):
             rk = k0 + tl.arange(0, BKG)
             w = tl.load(wg_ptr + rn[:, None] * stride_wg + rk[None, :], mask=rk[None, :] < hidden, other=0.0,
                         eviction_policy="evict_first")
-            xt = tl.load(x_ptr + (r * Q + tq)[None, :] * stride_x + rk[:, None],
-                         mask=(tq[None, :] < Q) & (rk[:, None] < hidden), other=0.0)
+            xt = tl.load(x_ptr + tt[None, :] * stride_x + rk[:, None],
+                         mask=(tt[None, :] < R * Q) & (rk[:, None] < hidden), other=0.0)
             if DOT_F32:
                 acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
         pdl_wait(PDL)  # the stream is out: release o_proj's GEMV, as the recurrence programs do
         g2 = bf16_round(acc, ROUND)
-        tl.store(g2_ptr + (r * Q + tq)[None, :] * stride_g2 + rn[:, None], g2.to(g2_ptr.dtype.element_ty),
-                 mask=tq[None, :] < Q)
-        live = tl.load(slots_ptr + r * Q) > 0
+        tl.store(g2_ptr + tt[None, :] * stride_g2 + rn[:, None], g2.to(g2_ptr.dtype.element_ty),
+                 mask=tt[None, :] < R * Q)
         norm_w = tl.load(normw_ptr + tl.arange(0, D)).to(tl.float32)
-        _arrive_and_normalise(ws_ptr, cnt_ptr, r, h, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D,
-                              Q, NV, NG, ROUND)
+        for r in range(0, R):
+            live = tl.load(slots_ptr + r * Q) > 0
+            _arrive_and_normalise(ws_ptr, cnt_ptr, r, h, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps,
+                                  H, D, Q, NV, NG, ROUND)
 
     @triton.jit
     def _arrive_and_normalise(ws_ptr, cnt_ptr, r, h, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps,
@@ -386,18 +401,29 @@ def kda_decode(
         recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc, x, g2_weight),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, BC=bc, NG=ng, BKG=min(GATE_K_STEP, triton.next_power_of_2(x.shape[1])) if ng else 16,
+        NV=nv, BC=bc, NG=ng, **gate_tiles(x.shape[0] if ng else 0, x.shape[1] if ng else 0),
         num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
 GATE_ROWS = 16  # output-gate columns per gate program (the dot's narrowest side)
-GATE_K_STEP = 256  # hidden elements per step of a gate program's stream
+MAX_GATE_ROWS = 64  # the most x rows the gate programs take in one dot (skinny_mm's 64)
 
 
 def gate_programs(D: int) -> int:
-    """Output-gate programs per (request, head): one per GATE_ROWS of its D columns."""
+    """Output-gate programs per head: one per GATE_ROWS of its D columns."""
     return max(1, D // GATE_ROWS)
+
+
+def gate_tiles(T: int, hidden: int) -> dict[str, int]:
+    """The gate programs' constants for T rows of x: TB (T padded to the dot's 16..64) and
+    BKG (hidden elements per step: 256 at up to 16 rows, fewer for more, so that a step's
+    x tile stays 8 KB)."""
+    if T > MAX_GATE_ROWS:
+        raise ValueError(f"kimi_kernels::kda_decode: the output gate in the kernel takes at most {MAX_GATE_ROWS} "
+                         f"rows of x, not {T} (pass g2 instead)")
+    tb = max(16, triton.next_power_of_2(max(T, 1)))
+    return dict(TB=tb, BKG=min(256 * 16 // tb, max(16, triton.next_power_of_2(max(hidden, 1)))))
 
 
 # This kernel against vLLM's native SM90 decode (its CUDA build's ``_C::fused_kda_decode``

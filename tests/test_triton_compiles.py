@@ -205,7 +205,7 @@ def test_kda_kernel_compiles_for_sm90(nv, bc, ng):
             "stride_out", "stride_cw_j", "stride_cw_p", "stride_x", "stride_wg", "hidden")
     params = kda_decode._kda_decode_kernel.arg_names
     constexprs = {"H": 12, "D": 128, "Q": 1, "ROUND": True, "DOT_F32": False, "NV": nv, "BC": bc, "PDL": True,
-                  "NG": ng, "BKG": kda_decode.GATE_K_STEP,
+                  "NG": ng, **kda_decode.gate_tiles(1, 7168),
                   "stride_cw_t": 1}  # stock's conv weight: Triton specialises the unit stride
     sig = {name: ptrs.get(name) or ("i32" if name in ints else "fp32" if name in ("lower_bound", "eps")
                                     else "constexpr") for name in params}

@@ -61,13 +61,14 @@ def test_kernel_matches_reference(R, q, H, D, dtype, nv, nc, monkeypatch):
 
 
 @pytest.mark.parametrize("H, D", SHAPES)
-@pytest.mark.parametrize("R, q", [(1, 1), (3, 1), (2, 4)])
+@pytest.mark.parametrize("R, q", [(1, 1), (3, 1), (2, 4), (5, 4)])
 @pytest.mark.parametrize("nv, nc", [(1, 1), (4, 1), (2, 2)])
 def test_output_gate_computed_in_the_kernel(R, q, H, D, nv, nc, monkeypatch):
-    """With ``x`` and ``g2_weight`` in place of g2, the kernel's gate programs compute g2 =
-    x W_g2^T beside the recurrence and the head's last program to arrive normalises:
-    the reference's values (stock's GEMM for g2), the same states, both arrival counters
-    reset; padding rows zero. Giving both forms, or neither, is refused."""
+    """With ``x`` and ``g2_weight`` in place of g2, the head's gate programs compute g2 =
+    x W_g2^T for every request (T = 20: a 32-row dot) beside the recurrence, and each
+    request's last program to arrive normalises it: the reference's values (stock's GEMM
+    for g2), the same states, both arrival counters reset; padding rows zero. Giving
+    both forms, or neither, is refused."""
     monkeypatch.setattr(K, "v_split", lambda R, H, D, Q=1: (nv, D // nv // nc))
     hidden = 7168 if DEVICE == "cuda" else 96  # not a multiple of the gate programs' K step on CPU
     x = inputs(R, q, H, D, seed=R * 10 + q + 1)
