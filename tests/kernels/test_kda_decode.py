@@ -149,3 +149,27 @@ def test_v_split_streams_chunks_between_one_and_three_programs_an_sm(monkeypatch
         monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", bad)
         with pytest.raises(ValueError, match="KIMI_INDUCTOR_KDA_CHUNK"):
             K.v_split(one + 1, 12, 128)
+
+
+def test_output_gate_in_the_kernel_by_request_count(monkeypatch):
+    """``gate_in_kernel``: off until measured (the reason names the benchmark), then where
+    the layer was faster at the nearest measured counts on both sides (as
+    ``versus_native``); ``KIMI_INDUCTOR_KDA_GATE`` 1 / 0 forces it either way, and any other
+    value is refused naming the choices. More than 64 rows of x are refused by the op."""
+    monkeypatch.delenv("KIMI_INDUCTOR_KDA_GATE", raising=False)
+    monkeypatch.setattr(K, "GATE_IN_KERNEL", {})
+    assert "not yet measured" in K.gate_in_kernel(1) and "--gate-ab" in K.gate_in_kernel(1)
+    monkeypatch.setattr(K, "GATE_IN_KERNEL", {1: True, 2: True, 8: False})
+    assert [r for r in range(1, 12) if K.gate_in_kernel(r) == ""] == [1, 2]
+    assert "at [8] requests (of 5;" in K.gate_in_kernel(5)
+    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "1")
+    assert K.gate_in_kernel(8) == ""
+    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "0")
+    assert K.gate_in_kernel(1) == "KIMI_INDUCTOR_KDA_GATE=0"
+    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "yes")
+    with pytest.raises(ValueError, match="KIMI_INDUCTOR_KDA_GATE='yes': 1 .* 0 .* or unset"):
+        K.gate_in_kernel(1)
+    if K.triton is not None:
+        assert K.gate_tiles(20, 7168) == {"TB": 32, "BKG": 128}
+        with pytest.raises(ValueError, match="at most 64 rows of x, not 65"):
+            K.gate_tiles(65, 7168)
