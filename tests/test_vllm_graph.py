@@ -49,11 +49,17 @@ HYBRID_SHARDED = {"all_reduce": L + 1 + 2 * MOE_LAYERS, "all_gather": 0, "reduce
 GATHER, SCATTER, REDUCE = "vllm.all_gather.default", "vllm.reduce_scatter.default", "vllm.all_reduce.default"
 
 
+CHILD_MEMORY = 12 << 30  # address space of an isolated child: about 8x what one needs (a capture: 1.6 GB)
+
+
 def isolated(fn, *args):
-    """``fn(*args)`` in a fresh spawned process (vLLM patched there, not here). A child
-    that dies without an answer (killed by a signal: the OOM killer, a crash in native
-    code) is named with its exit code and run once more in a new process; an exception
-    of ``fn`` is raised here with the child's traceback, at once."""
+    """``fn(*args)`` in a fresh spawned process (vLLM patched there, not here), its address
+    space capped at CHILD_MEMORY. A child that dies without an answer (a signal: the OOM
+    killer, a crash in native code) or runs out of that memory is named (exit code, or
+    the allocation's traceback) and run once more in a new process; any other exception
+    of ``fn`` is raised here with the child's traceback, at once. (CI lost a capture child
+    abruptly once; on a developer machine such children were OOM-killed at 21 GB twice in
+    about 30 captures, with other tests running: the cap turns that into a traceback.)"""
     spawn = multiprocessing.get_context("spawn")
     for attempt in (1, 2):
         answer, child_end = spawn.Pipe(duplex=False)
@@ -64,25 +70,31 @@ def isolated(fn, *args):
             ok, value = pickle.loads(answer.recv_bytes())
         except EOFError:  # it died before sending
             child.join()
-            died = f"{fn.__name__}{args}: its process died with exit code {child.exitcode}"
-            if attempt == 2:
-                raise RuntimeError(f"{died}, twice") from None
-            warnings.warn(f"{died}; running it again")
-            continue
+            ok, value = None, f"its process died with exit code {child.exitcode}"
         child.join()
-        if not ok:
+        if ok:
+            return value
+        if ok is False:
             raise RuntimeError(f"{fn.__name__}{args} raised in its process:\n{value}")
-        return value
+        if attempt == 2:
+            raise RuntimeError(f"{fn.__name__}{args}, twice: {value}")
+        warnings.warn(f"{fn.__name__}{args}: {value}; running it again")
 
 
 def _answer(conn, fn, args):
-    """The child's side of ``isolated``: (True, fn(*args)) or (False, its traceback),
-    pickled whole (tensors by value: the child exits after sending, so nothing may be
-    shared through it)."""
+    """The child's side of ``isolated``: (True, fn(*args)), (False, its traceback), or
+    (None, the traceback) where it ran out of memory; pickled whole (tensors by value:
+    the child exits after sending, so nothing may be shared through it)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
     try:
         answer = (True, fn(*args))
-    except BaseException:
-        answer = (False, traceback.format_exc())
+    except MemoryError:
+        answer = (None, f"out of its {CHILD_MEMORY >> 30} GiB:\n{traceback.format_exc()}")
+    except BaseException as e:
+        oom = "can't allocate memory" in str(e)
+        answer = (None if oom else False, traceback.format_exc())
     conn.send_bytes(pickle.dumps(answer))
 
 
