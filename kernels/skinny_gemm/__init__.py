@@ -297,7 +297,7 @@ def reference(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dt
     """``[acc +] x W^T`` as stock computes it (addmm / mm, or fp32 logits from bf16); with a
     ``gap`` (start, rows), the full product's columns but those (bitwise the ungapped)."""
     if gap[1]:
-        out = x @ weight.t()
+        out = reference(x, weight, acc, out_dtype)
         return torch.cat([out[:, :gap[0]], out[:, gap[0] + gap[1]:]], dim=1)
     if out_dtype == x.dtype:
         return torch.addmm(acc, x, weight.t()) if acc is not None else x @ weight.t()
