@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 from torch.func import functional_call
@@ -100,15 +101,8 @@ def compile_kimi(step, gate: str | None, args: tuple):
     compiled = torch.compile(step, backend=backend, dynamic=False)
     *inputs, conv, rec = args
     rec = rec.clone()
-    before = os.environ.get("KIMI_INDUCTOR_KDA_GATE")
-    try:
-        if gate is not None:
-            os.environ["KIMI_INDUCTOR_KDA_GATE"] = gate
+    with mock.patch.dict(os.environ, {} if gate is None else {"KIMI_INDUCTOR_KDA_GATE": gate}):
         out = compiled(*inputs, conv.clone(), rec).float()
-    finally:
-        os.environ.pop("KIMI_INDUCTOR_KDA_GATE", None)
-        if before is not None:
-            os.environ["KIMI_INDUCTOR_KDA_GATE"] = before
     require_rewritten(backend, "kda_layer")
     kept = [s for p in backend.report.passes for s in p.skipped if "KDA output gate" in s]
     if gate == "1" and rec.is_cuda and kept:
@@ -171,9 +165,9 @@ def main(argv=None) -> Results:
             kimis, row = {}, dict(q=q, rows=rows)
             for name, gate in variants.items():  # compiled at the first call: the switch is read then
                 kimis[name], got, r2 = compile_kimi(step, gate, (copies[0], x, slots, accepted, conv, rec))
-                row[f"{name}_rel_err" if name != "kimi" else "rel_err"] = float(
-                    (got - want).abs().max() / want.abs().max())
-                row[f"{name}_state_err" if name != "kimi" else "state_err"] = float((r1 - r2).abs().max())
+                key = "" if name == "kimi" else f"{name}_"
+                row[f"{key}rel_err"] = float((got - want).abs().max() / want.abs().max())
+                row[f"{key}state_err"] = float((r1 - r2).abs().max())
             kimi = kimis["kimi"]
             compile_s = time.perf_counter() - start
             if args.smoke:

@@ -399,9 +399,9 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
                  + (f"; AttnRes: fused x{res}" if res else ""), rewritten=bool(attn or mlp or res))
 
 
-LABELS = {"kda": "fused KDA", "kda_gate": "fused KDA + output gate", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
-          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU", "bmm_gate": "per-head GEMM + gate",
-          "mla_gate": "MLA core + v up-projection + gate",
+LABELS = {"kda": "fused KDA", "kda_gate": "fused KDA + output gate", "mla": "MLA core", "dsa": "DSA core",
+          "gemm": "skinny GEMM", "bmm": "per-head GEMM", "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
+          "bmm_gate": "per-head GEMM + gate", "mla_gate": "MLA core + v up-projection + gate",
           "moe_in": "router + latent down + shared gate/up SiTU (one launch)",
           "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one launch)",
           "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}

@@ -160,7 +160,7 @@ def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype, c
     w = TensorDescriptor.from_tensor(weight, [cfg.bn, cfg.bk]) if cfg.tma else weight
     _mm_kernel[(tiles, cfg.split)](
         x, w, acc_arg, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0), out.stride(0),
-        cfg.split, gap[0] if gap[1] else N, gap[1], BM=bm, BN=cfg.bn, BK=cfg.bk, REDUCE=cfg.split > 1,
+        cfg.split, *gap, BM=bm, BN=cfg.bn, BK=cfg.bk, REDUCE=cfg.split > 1,
         HAS_ACC=acc is not None, DOT_F32=dot_f32(x.dtype), TMA=cfg.tma, num_warps=cfg.warps, num_stages=cfg.stages,
         **pdl(x.device))
     return out
