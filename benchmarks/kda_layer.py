@@ -12,13 +12,8 @@ recurrent decode, gated norm) and cuBLAS o_proj. ``--vllm-native SO`` (vLLM 0.33
 chain vLLM runs on SM90 at 12 heads with its CUDA build: the same with its native
 ``_C::fused_kda_decode`` as the core (``kda_kernel.vllm_native``).
 
-``--gate-ab`` adds kimi_specialized with the output gate's GEMV in the KDA kernel
-(``KIMI_INDUCTOR_KDA_GATE=1``: the in-projection's GEMV leaves those rows out,
-``passes/kda_gate.py``) beside it with the gate in the in-projection (``=0``), the
-measurement behind ``kda_decode.GATE_IN_KERNEL``.
-
     python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4] [--vllm ROOT] [--vllm-native SO]
-        [--gate-ab] [--profile]
+        [--profile]
     python benchmarks/kda_layer.py --smoke          # CPU, tiny shapes: checks the script runs
 """
 
@@ -28,7 +23,6 @@ import argparse
 import os
 import sys
 import time
-from unittest import mock
 
 import torch
 from torch.func import functional_call
@@ -91,25 +85,6 @@ def vllm_chain(core, layer: KimiDeltaAttention):
     return step
 
 
-def compile_kimi(step, gate: str | None, args: tuple):
-    """kimi_specialized (lower_kernels) of ``step`` with ``KIMI_INDUCTOR_KDA_GATE=gate``
-    (None: as measured), compiled by a first call on ``args`` (caches cloned): (compiled,
-    its output fp32, its recurrent state). Checks the layer was rewritten, and with gate
-    "1" on the GPU that its output gate moved into the KDA kernel (on CPU cuBLAS keeps the
-    in-projection, and with it the gate)."""
-    backend = KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"})
-    compiled = torch.compile(step, backend=backend, dynamic=False)
-    *inputs, conv, rec = args
-    rec = rec.clone()
-    with mock.patch.dict(os.environ, {} if gate is None else {"KIMI_INDUCTOR_KDA_GATE": gate}):
-        out = compiled(*inputs, conv.clone(), rec).float()
-    require_rewritten(backend, "kda_layer")
-    kept = [s for p in backend.report.passes for s in p.skipped if "KDA output gate" in s]
-    if gate == "1" and rec.is_cuda and kept:
-        raise RuntimeError(f"kda_layer: the output gate did not move into the KDA kernel: {kept}")
-    return compiled, out, rec
-
-
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -118,8 +93,6 @@ def main(argv=None) -> Results:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--vllm", help="vLLM 0.33.0's wheel unpacked here: time its chain too (q = 1)")
     p.add_argument("--vllm-native", help="vLLM 0.33.0's _C_stable_libtorch.abi3.so: time its native chain (q = 1)")
-    p.add_argument("--gate-ab", action="store_true",
-                   help="kimi_specialized with the output gate in the KDA kernel against it in the in-projection")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels of each side per row count (take it with KIMI_INDUCTOR_PDL=0: "
                         "an early-launched kernel's wait counts in its duration)")
@@ -159,20 +132,19 @@ def main(argv=None) -> Results:
             rec = (0.1 * torch.randn(rec_shape, generator=gen)).to(device=device)
             start = time.perf_counter()
             stock = torch.compile(step, backend=stock_inductor, dynamic=False)
-            c1, r1 = conv.clone(), rec.clone()
+            backend = KimiSpecialized({"passes": ["lower_kernels"], "compiler": "inductor"})
+            kimi = torch.compile(step, backend=backend, dynamic=False)
+            c1, r1, c2, r2 = conv.clone(), rec.clone(), conv.clone(), rec.clone()
             want = stock(copies[0], x, slots, accepted, c1, r1).float()
-            variants = {"kimi": "0", "kimi_gate": "1"} if args.gate_ab else {"kimi": None}
-            kimis, row = {}, dict(q=q, rows=rows)
-            for name, gate in variants.items():  # compiled at the first call: the switch is read then
-                kimis[name], got, r2 = compile_kimi(step, gate, (copies[0], x, slots, accepted, conv, rec))
-                key = "" if name == "kimi" else f"{name}_"
-                row[f"{key}rel_err"] = float((got - want).abs().max() / want.abs().max())
-                row[f"{key}state_err"] = float((r1 - r2).abs().max())
-            kimi = kimis["kimi"]
+            got = kimi(copies[0], x, slots, accepted, c2, r2).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            state_err = float((r1 - r2).abs().max())
             compile_s = time.perf_counter() - start
+            require_rewritten(backend, "kda_layer")
             if args.smoke:
-                res.add(**row)
+                res.add(q=q, rows=rows, rel_err=err, state_err=state_err)
                 continue
+            row = dict(q=q, rows=rows)
             for name, (chain, extra) in chains.items() if q == 1 else ():
                 # on the caches as they were for ``want`` (the timing below advances them)
                 got = chain(copies[0], x, slots, conv.clone(), rec.clone(), extra[0]).float()
@@ -183,11 +155,7 @@ def main(argv=None) -> Results:
             nbytes = weight_bytes + state_bytes(R, q, heads, d, conv_shape[1]) + 2 * rows * hidden * 2
             fl = floor_us(nbytes)
             row.update(floor_us=fl, inductor_us=t_stock, kimi_us=t_kimi, kimi_x_floor=t_kimi / fl,
-                       speedup=t_stock / t_kimi, compile_s=compile_s)
-            if "kimi_gate" in kimis:
-                gated = kimis["kimi_gate"]
-                row["kimi_gate_us"] = graph_time_us(lambda i: gated(copies[i % n], x, slots, accepted, conv, rec))
-                row.update(kimi_gate_x_floor=row["kimi_gate_us"] / fl, gate_over_kimi=t_kimi / row["kimi_gate_us"])
+                       speedup=t_stock / t_kimi, rel_err=err, state_err=state_err, compile_s=compile_s)
             for name, (chain, extra) in chains.items() if q == 1 else ():
                 row[f"{name}_us"] = graph_time_us(lambda i: chain(copies[i % n], x, slots, conv, rec, extra[i % n]))
                 row[f"{name}_over_kimi"] = row[f"{name}_us"] / t_kimi

@@ -35,15 +35,6 @@ bumps the head's arrival counter (acq_rel); the last to arrive writes the q/k co
 state and normalises every token, then resets the counter (one kernel; the arrival
 order does not change any value).
 
-Output gate in the kernel (``x`` [T, hidden] and ``g2_weight`` [P, hidden], the
-in-projection's gate rows, in place of ``g2``; ``passes/kda_gate.py``): D / 16 more
-programs per head (in request 0's slice of the grid; the others' return at once) each
-stream 16 rows of W_g2 against all T rows of x (``tl.dot``, T <= 64) before their PDL
-wait (x is two launches back, W a weight), so the bytes move once while the recurrence
-runs; after the wait they write g2 (rounded to bf16, as the GEMM's output) to a
-workspace. Each request's recurrence programs and the head's gate programs meet at a
-second arrival counter; the last to arrive normalises that request's head.
-
 PDL: the kernel releases its dependents (o_proj's GEMV, which reads its weights before
 its own wait) only after its state and weight loads, not at its start: that overlaps
 o_proj's weight stream with the latency-bound recurrence without competing with its
@@ -60,7 +51,6 @@ tests); the stock reference elsewhere (CPU, or shapes the kernel does not cover)
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -93,22 +83,14 @@ if triton is not None:
         qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
         convw_ptr, stride_cw_j, stride_cw_p, stride_cw_t, alog_ptr, dtb_ptr, normw_ptr,
         conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, stride_rec_s, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr,
-        cnt_ptr, x_ptr, stride_x, wg_ptr, stride_wg, hidden,
+        cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr, BC: tl.constexpr, NG: tl.constexpr, TB: tl.constexpr, BKG: tl.constexpr,
-        PDL: tl.constexpr,
+        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         r = tl.program_id(0)
         h = tl.program_id(1)
-        if NG > 0:
-            if tl.program_id(2) >= NV:  # one of the head's NG output-gate programs (request 0's serve all)
-                if r == 0:
-                    _gate_program(x_ptr, stride_x, wg_ptr, stride_wg, hidden, g2_ptr, stride_g2, ws_ptr, cnt_ptr,
-                                  slots_ptr, normw_ptr, out_ptr, stride_out, eps, h, tl.program_id(2) - NV, H, D,
-                                  Q, NV, NG, TB, BKG, ROUND, DOT_F32, PDL)
-                return
-        pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         BV: tl.constexpr = D // NV
         NC: tl.constexpr = BV // BC  # chunks of BC rows of S, streamed one ahead
         d = tl.arange(0, D)
@@ -222,7 +204,7 @@ if triton is not None:
                 keep = live & (slot_t > 0)
                 slot_t = tl.maximum(slot_t, 0).to(tl.int64)
                 tl.store(rec_ptr + slot_t * stride_rec_s + head + v[:, None] * D + d[None, :], S, mask=keep)
-                if NV == 1 and NC == 1 and NG == 0:
+                if NV == 1 and NC == 1:
                     _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
                 else:
                     tl.store(ws_ptr + (row * H + h) * D + v, o)
@@ -238,66 +220,10 @@ if triton is not None:
                 tl.store(cnt_ptr + r * H + h, 0)
                 _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, xq, xk, qkv_ptr, stride_qkv, r, Q,
                                  live)
-                if NG == 0:
-                    _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q,
-                               ROUND)
-        elif NC > 1 and NG == 0:
+                _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
+        elif NC > 1:
             tl.debug_barrier()  # every chunk's o rows are out
             _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
-        if NG > 0:
-            _arrive_and_normalise(ws_ptr, cnt_ptr, r, h, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H,
-                                  D, Q, NV, NG, ROUND)
-
-    @triton.jit
-    def _gate_program(x_ptr, stride_x, wg_ptr, stride_wg, hidden, g2_ptr, stride_g2, ws_ptr, cnt_ptr, slots_ptr,
-                      normw_ptr, out_ptr, stride_out, eps, h, j, H: tl.constexpr, D: tl.constexpr,
-                      Q: tl.constexpr, NV: tl.constexpr, NG: tl.constexpr, TB: tl.constexpr, BKG: tl.constexpr,
-                      ROUND: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        """Output-gate program ``j`` of head ``h``: g2 = x W_g2^T for all T = R q rows (TB >=
-        T, the dot's padded side), columns h D + j D / NG .. (the in-projection's gate rows,
-        which its GEMV leaves out), rounded to bf16 as that GEMM's output; W_g2 is read once
-        for every request. x and W_g2 are read before the PDL wait (x is two launches
-        back: complete; W a weight), so this stream overlaps the in-projection's tail and
-        the recurrence; g2 is written after it, then the program arrives at every
-        request's counter for the head."""
-        BN: tl.constexpr = D // NG
-        R = tl.num_programs(0)
-        rn = h * D + j * BN + tl.arange(0, BN)
-        tt = tl.arange(0, TB)
-        acc = tl.zeros([BN, TB], dtype=tl.float32)
-        for k0 in range(0, hidden, BKG):
-            rk = k0 + tl.arange(0, BKG)
-            w = tl.load(wg_ptr + rn[:, None] * stride_wg + rk[None, :], mask=rk[None, :] < hidden, other=0.0,
-                        eviction_policy="evict_first")
-            xt = tl.load(x_ptr + tt[None, :] * stride_x + rk[:, None],
-                         mask=(tt[None, :] < R * Q) & (rk[:, None] < hidden), other=0.0)
-            if DOT_F32:
-                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-            else:
-                acc = tl.dot(w, xt, acc)
-        pdl_wait(PDL)  # the stream is out: release o_proj's GEMV, as the recurrence programs do
-        g2 = bf16_round(acc, ROUND)
-        tl.store(g2_ptr + tt[None, :] * stride_g2 + rn[:, None], g2.to(g2_ptr.dtype.element_ty),
-                 mask=tt[None, :] < R * Q)
-        norm_w = tl.load(normw_ptr + tl.arange(0, D)).to(tl.float32)
-        for r in range(0, R):
-            live = tl.load(slots_ptr + r * Q) > 0
-            _arrive_and_normalise(ws_ptr, cnt_ptr, r, h, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps,
-                                  H, D, Q, NV, NG, ROUND)
-
-    @triton.jit
-    def _arrive_and_normalise(ws_ptr, cnt_ptr, r, h, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps,
-                              H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, NV: tl.constexpr, NG: tl.constexpr,
-                              ROUND: tl.constexpr):
-        """With the output gate in the kernel: the head's NV recurrence and NG gate programs
-        meet at its second arrival counter (after the R H of the first); the last to arrive
-        (every o row and g2 column written) normalises."""
-        tl.debug_barrier()  # every thread's o rows or g2 columns are written
-        at = cnt_ptr + tl.num_programs(0) * H + r * H + h
-        if tl.atomic_add(at, 1, sem="acq_rel", scope="gpu") == NV + NG - 1:
-            tl.store(at, 0)
-            _normalise(ws_ptr, r, h, tl.arange(0, D), g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D,
-                       Q, ROUND)
 
     @triton.jit
     def _qk_gate(xq, xk, q0, q1, q2, k0, k1, k2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3, g1_all, tq, t, a_h, dtb,
@@ -346,84 +272,46 @@ if triton is not None:
     @triton.jit
     def _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D: tl.constexpr,
                     ROUND: tl.constexpr):
-        """One token's head output: RMSNorm(o) * w * sigmoid(g2), rounded to bf16 (zeros for
-        padding); g2 read past L1 (the kernel's gate programs may have written it)."""
-        g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d, cache_modifier=".cg").to(tl.float32)
+        """One token's head output: RMSNorm(o) * w * sigmoid(g2), rounded to bf16 (zeros for padding)."""
+        g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d).to(tl.float32)
         y = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * norm_w * tl.sigmoid(g2)
         y = tl.where(live, bf16_round(y, ROUND), 0.0)
         tl.store(out_ptr + row * stride_out + h * D + d, y.to(out_ptr.dtype.element_ty))
 
 
-def gate_shape(g2: Tensor | None, x: Tensor | None, g2_weight: Tensor | None, op: str) -> tuple[int, int]:
-    """[T, P] of the output gate: ``g2``, or x W_g2^T computed in the kernel; exactly one of
-    the two forms."""
-    if (g2 is None) == (x is None or g2_weight is None) or (x is None) != (g2_weight is None):
-        raise ValueError(f"{op}: pass the output gate either as g2 or as x and g2_weight (the kernel computes "
-                         "x @ g2_weight^T), not both or neither")
-    return tuple(g2.shape) if g2 is not None else (x.shape[0], g2_weight.shape[0])
-
-
 def _fake(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-          recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, x=None, g2_weight=None):
+          recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode")
-    return mixed_qkv.new_empty(gate_shape(g2, x, g2_weight, "kimi_kernels::kda_decode"))
+    return g2.new_empty(g2.shape)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::kda_decode", mutates_args=("conv_state", "recurrent_state"),
                          tags=(torch.Tag.flexible_layout,))
 def kda_decode(
-    mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Optional[Tensor], beta: Tensor, conv_weight: Tensor,
+    mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor, recurrent_state: Tensor,
-    state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float, x: Optional[Tensor] = None,
-    g2_weight: Optional[Tensor] = None,
+    state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
 ) -> Tensor:
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode")  # the kernel pads the q tokens' gate rows to 16
-    shape = gate_shape(g2, x, g2_weight, "kimi_kernels::kda_decode")
     H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
     use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(
         conv_weight.shape[-1], D)
     if not use_triton:
         return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
-                         conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, x, g2_weight)
+                         conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
     R, Q = state_slots.shape
     assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1
-    mixed_qkv, f_a, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, beta))
+    mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
     f_b_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (f_b_weight, A_log, dt_bias, norm_weight))
-    out = torch.empty(shape, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    if g2 is None:  # the gate programs write it: a workspace
-        x, g2_weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, g2_weight))
-        g2, ng = torch.empty_like(out), gate_programs(D)
-    else:
-        g2, ng = (g2 if g2.stride(-1) == 1 else g2.contiguous()), 0
+    out = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
     nv, bc = v_split(R, H, D, Q)
-    _kda_decode_kernel[(R, H, nv + ng)](*kernel_args(
+    _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc, x, g2_weight),
+        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, BC=bc, NG=ng, **gate_tiles(x.shape[0] if ng else 0, x.shape[1] if ng else 0),
-        num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, BC=bc, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
-
-
-GATE_ROWS = 16  # output-gate columns per gate program (the dot's narrowest side)
-MAX_GATE_ROWS = 64  # the most x rows the gate programs take in one dot (skinny_mm's 64)
-
-
-def gate_programs(D: int) -> int:
-    """Output-gate programs per head: one per GATE_ROWS of its D columns."""
-    return max(1, D // GATE_ROWS)
-
-
-def gate_tiles(T: int, hidden: int) -> dict[str, int]:
-    """The gate programs' constants for T rows of x: TB (T padded to the dot's 16..64) and
-    BKG (hidden elements per step: 256 at up to 16 rows, fewer for more, so that a step's
-    x tile stays 8 KB)."""
-    if T > MAX_GATE_ROWS:
-        raise ValueError(f"kimi_kernels::kda_decode: the output gate in the kernel takes at most {MAX_GATE_ROWS} "
-                         f"rows of x, not {T} (pass g2 instead)")
-    tb = max(16, triton.next_power_of_2(max(T, 1)))
-    return dict(TB=tb, BKG=min(256 * 16 // tb, max(16, triton.next_power_of_2(max(hidden, 1)))))
 
 
 # This kernel against vLLM's native SM90 decode (its CUDA build's ``_C::fused_kda_decode``
@@ -439,44 +327,13 @@ def versus_native(requests) -> str:
     table: its largest); with a symbolic count (one graph for every size), at every one."""
     if not VERSUS_NATIVE:
         return "vLLM's native decode kept: ours not yet measured against it (benchmarks/kda_kernel.py --vllm-native)"
-    slower = _not_faster_near(VERSUS_NATIVE, requests)
-    return f"vLLM's native decode is as fast or faster at {slower} requests (of {requests}; " \
-        "benchmarks/kda_kernel.py --vllm-native)" if slower else ""
-
-
-def _not_faster_near(table: dict[int, bool], requests) -> list[int]:
-    """The measured counts nearest ``requests`` on both sides (past the table: its largest;
-    symbolic: all) where ours was not faster."""
-    counts = sorted(table)
+    counts = sorted(VERSUS_NATIVE)
     near = counts
     if isinstance(requests, int):
         near = [c for c in counts if c <= requests][-1:] + ([c for c in counts if c >= requests][:1] or counts[-1:])
-    return sorted({c for c in near if not table[c]})
-
-
-# The KDA layer with the output gate's GEMV in this kernel (its gate programs; the
-# in-projection's GEMV leaving those rows out, ``passes/kda_gate.py``) against the gate in
-# the in-projection, by request count at q = 1, TP8 per-rank shapes: True where the layer
-# was faster (``benchmarks/kda_layer.py --gate-ab``). Not yet measured: built without a GPU.
-GATE_IN_KERNEL: dict[int, bool] = {}
-
-
-def gate_in_kernel(requests) -> str:
-    """Why the output gate stays in the in-projection at ``requests`` ('' where this kernel
-    computes it): taken where measured faster (as ``versus_native``), or as
-    ``KIMI_INDUCTOR_KDA_GATE`` says (1: always, 0: never; to measure it)."""
-    forced = os.environ.get("KIMI_INDUCTOR_KDA_GATE", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"KIMI_INDUCTOR_KDA_GATE={forced!r}: 1 (the output gate in the KDA kernel), 0 (in the "
-                         "in-projection) or unset (as measured, kda_decode.GATE_IN_KERNEL)")
-    if forced:
-        return "" if forced == "1" else "KIMI_INDUCTOR_KDA_GATE=0"
-    if not GATE_IN_KERNEL:
-        return "the gate in the KDA kernel is not yet measured against the in-projection's gate rows " \
-            "(benchmarks/kda_layer.py --gate-ab)"
-    slower = _not_faster_near(GATE_IN_KERNEL, requests)
-    return f"the layer was as fast or faster with the gate in the in-projection at {slower} requests (of " \
-        f"{requests}; benchmarks/kda_layer.py --gate-ab)" if slower else ""
+    slower = sorted({c for c in near if not VERSUS_NATIVE[c]})
+    return f"vLLM's native decode is as fast or faster at {slower} requests (of {requests}; " \
+        "benchmarks/kda_kernel.py --vllm-native)" if slower else ""
 
 
 # Rows of S a program streams at a time where its programs overfill the SMs but at most
@@ -515,21 +372,19 @@ def v_split(R: int, H: int, D: int, Q: int = 1) -> tuple[int, int]:
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
                 recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1,
-                bc: int = 0, x: Tensor | None = None, g2_weight: Tensor | None = None) -> tuple:
-    """The Triton kernel's positional arguments (strides, and with ``nv`` > 1, ``bc`` rows
-    of a block at a time or the output gate in the kernel (``x``, ``g2_weight``; ``g2``
-    its workspace) the pre-norm workspace and the arrival counters, included)."""
+                bc: int = 0) -> tuple:
+    """The Triton kernel's positional arguments (strides, and with ``nv`` > 1 or ``bc``
+    rows of a block at a time the pre-norm workspace, with ``nv`` > 1 the arrival
+    counters, included)."""
     R, H, D = state_slots.shape[0], recurrent_state.shape[1], recurrent_state.shape[-1]
-    gate = g2_weight is not None
     ws = torch.empty(out.shape[0], H, D, dtype=torch.float32, device=out.device) \
-        if nv > 1 or 0 < bc < D // nv or gate else out
-    cnt = arrival_counters(out.device, (2 if gate else 1) * R * H) if nv > 1 or gate else state_slots
+        if nv > 1 or 0 < bc < D // nv else out
+    cnt = arrival_counters(out.device, R * H) if nv > 1 else state_slots
     cw = conv_weight if conv_weight.dim() == 3 and conv_weight.shape[0] == 3 else conv_weight.view(3, -1, conv_weight.shape[-1])
-    x, g2_weight = (x, g2_weight) if gate else (mixed_qkv, f_b_weight)  # unread stand-ins
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
             cw, *cw.stride(), A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
             recurrent_state, recurrent_state.stride(0), state_slots, num_accepted, out, out.stride(0), ws, cnt,
-            x, x.stride(0), g2_weight, g2_weight.stride(0), x.shape[1], lower_bound, norm_eps)
+            lower_bound, norm_eps)
 
 
 kda_decode.register_fake(_fake)
@@ -548,42 +403,36 @@ def page_states(page: Tensor, conv_start: int, state_len: int, conv_dim: int, dt
 
 
 def _fake_paged(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, page, conv_start,
-                state_len, rec_start, state_slots, num_accepted, lower_bound, norm_eps, x=None, g2_weight=None):
+                state_len, rec_start, state_slots, num_accepted, lower_bound, norm_eps):
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode_paged")
-    return mixed_qkv.new_empty(gate_shape(g2, x, g2_weight, "kimi_kernels::kda_decode_paged"))
+    return g2.new_empty(g2.shape)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::kda_decode_paged", mutates_args=("page",), tags=(torch.Tag.flexible_layout,))
 def kda_decode_paged(
-    mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Optional[Tensor], beta: Tensor, conv_weight: Tensor,
+    mixed_qkv: Tensor, f_a: Tensor, f_b_weight: Tensor, g2: Tensor, beta: Tensor, conv_weight: Tensor,
     A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, page: Tensor, conv_start: int, state_len: int,
     rec_start: int, state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
-    x: Optional[Tensor] = None, g2_weight: Optional[Tensor] = None,
 ) -> Tensor:
     """``kda_decode`` with both states in ``page`` [S, bytes] int8 (``page_states``: the conv
     state at byte ``conv_start``, ``state_len`` x conv width in mixed_qkv's dtype; the
     recurrent state [H, D, D] fp32 at byte ``rec_start``), updated in place: one mutated
     tensor, as vLLM binds a KDA layer's cache, so that a functional graph can hold the
     call (a dtype view of a graph input is not a base ``auto_functionalized_v2`` takes)."""
-    H = beta.shape[1]
-    D = gate_shape(g2, x, g2_weight, "kimi_kernels::kda_decode_paged")[1] // H
+    H, D = beta.shape[1], g2.shape[1] // beta.shape[1]
     conv, rec = page_states(page, conv_start, state_len, mixed_qkv.shape[1], mixed_qkv.dtype, rec_start, H, D)
     return torch.ops.kimi_kernels.kda_decode(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias,
-                                             norm_weight, conv, rec, state_slots, num_accepted, lower_bound, norm_eps,
-                                             x, g2_weight)
+                                             norm_weight, conv, rec, state_slots, num_accepted, lower_bound, norm_eps)
 
 
 kda_decode_paged.register_fake(_fake_paged)
 
 
 def reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-              recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, x=None, g2_weight=None):
-    """The op's semantics: stock's f_b_proj GEMM (and with ``x``, ``g2_weight`` the output
-    gate's, g2 = x W_g2^T: the in-projection's gate columns), then stock's
-    ``kimi::kda_decode`` (with the conv weight as stock's [3P, 1, W])."""
+              recurrent_state, state_slots, num_accepted, lower_bound, norm_eps):
+    """The op's semantics: stock's f_b_proj GEMM, then stock's ``kimi::kda_decode`` (with
+    the conv weight as stock's [3P, 1, W])."""
     g1 = F.linear(f_a, f_b_weight)
-    if g2 is None:
-        g2 = F.linear(x, g2_weight)
     conv_weight = conv_weight.reshape(-1, 1, conv_weight.shape[-1])
     return REFERENCES[torch.ops.kimi.kda_decode.default](mixed_qkv, g1, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                                      conv_state, recurrent_state, state_slots, num_accepted, lower_bound,

@@ -13,8 +13,6 @@ Matches and produces (M = rows, at most 64):
         read by it alone                              merge inside the v up-projection, where measured faster)
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
-      with g2 the in-projection's columns           kimi_kernels.skinny_mm(x, W, .., gap) and the op
-        (where measured faster)                     computing g2 = x W[gap]^T itself (passes/kda_gate.py)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
       with kv_c = rms_norm(x, w, eps) read by it    kimi_kernels.mla_decode(..., x, ..., kv_norm_weight=w, eps)
     vLLM's KDA group: its Triton chain, or its      kimi_kernels.kda_decode_paged(...) on its page
@@ -68,7 +66,7 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from . import kda_gate, moe_projections, moe_router, roles, vllm_kda, vllm_mla
+from . import moe_projections, moe_router, roles, vllm_kda, vllm_mla
 from .decoder import _between
 from .gemm_neighbours import gated_heads_of, match_gemm, mla_output_of, rms_norm_of, situ_of
 from .graph import OpCall, TritonCall, op_name
@@ -178,8 +176,6 @@ class LowerKernels:
             per_node[_replace(dg, call, _swap(g, call, ours_op, kwargs))] = core.kind if core is not None else "attn_res"
             info.rewritten += 1
         _dead_code_out(g, dropped)  # dead casts would count as readers of a norm or a GEMM
-        for kda in [n for n, kind in per_node.items() if kind == "kda"]:  # its g2 read by it alone now
-            per_node[kda] = _fold_gate(g, kda, per_node, kept)
         for topk in [n for n in g.nodes if n.target is aten.topk.default]:  # the MoE router's choice
             bound = moe_router.bind(topk)
             if bound is not None:
@@ -300,16 +296,6 @@ def _dead_code_out(g: fx.Graph, dropped: set[fx.Node] = frozenset()) -> None:
     g.eliminate_dead_code(is_impure_node=keep)
 
 
-def _fold_gate(g: fx.Graph, kda: fx.Node, per_node: dict[fx.Node, str], kept: Counter) -> str:
-    """The output gate's GEMV into our KDA op ``kda`` where ``kda_gate`` takes it; its label."""
-    fold = kda_gate.bind(OpCall.of(kda))
-    if isinstance(fold, str):
-        kept[f"KDA output gate in the in-projection: {fold}"] += 1
-        return "kda"
-    per_node[kda_gate.lower(g, fold)] = "gemm"
-    return "kda_gate"
-
-
 def _fuse_kda(g: fx.Graph, call: OpCall, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
     kwargs = {k: v for k, v in call.node.kwargs.items() if k != "g1"}
     kwargs.update(f_a=f_a, f_b_weight=f_b)
@@ -399,9 +385,9 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
                  + (f"; AttnRes: fused x{res}" if res else ""), rewritten=bool(attn or mlp or res))
 
 
-LABELS = {"kda": "fused KDA", "kda_gate": "fused KDA + output gate", "mla": "MLA core", "dsa": "DSA core",
-          "gemm": "skinny GEMM", "bmm": "per-head GEMM", "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU",
-          "bmm_gate": "per-head GEMM + gate", "mla_gate": "MLA core + v up-projection + gate",
+LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
+          "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU", "bmm_gate": "per-head GEMM + gate",
+          "mla_gate": "MLA core + v up-projection + gate",
           "moe_in": "router + latent down + shared gate/up SiTU (one launch)",
           "moe_in_routed": "router + top-k + latent down + shared gate/up SiTU (one launch)",
           "moe_out": "shared down + up (one GEMM)", "route": "router top-k (one launch)"}

@@ -7,11 +7,12 @@ A layer fragment (``decoder.py``: layers without the decoder) gets the passes wh
 rewrites are local (``FRAGMENT_PASSES``).
 
 ``KimiPasses`` is a ``CustomGraphPass``: its ``uuid()`` hashes the source of every
-module the rewrites depend on (passes, stock, kernels, recursively), the options and the
+module the rewrites depend on (passes, stock, kernels, recursively), the options, the
 dispatch tables as they are now (``dispatch_tables``: a table changed at run time, as a
-benchmark's A/B variant or a user's retuning does, changes what the passes emit), so
-Inductor's FX graph cache never returns a graph compiled by other passes or settings
-(on a cache hit the passes do not run and the report says so).
+benchmark's A/B variant or a user's retuning does, changes what the passes emit) and our
+environment switches (``switches``: ``KIMI_INDUCTOR_MOE_IN_ROWS`` is read while the passes
+run), so Inductor's FX graph cache never returns a graph compiled by other passes or
+settings (on a cache hit the passes do not run and the report says so).
 
 Logging: ``TORCH_LOGS=kimi_inductor`` prints the report of every compiled graph;
 ``TORCH_LOGS=kimi_graphs`` also dumps each pass's graph before and after.
@@ -20,6 +21,7 @@ Logging: ``TORCH_LOGS=kimi_inductor`` prints the report of every compiled graph;
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -163,7 +165,14 @@ class KimiPasses(CustomGraphPass):
         folders = (Path(__file__).parent, Path(kimi_inductor.stock.__file__).parent,
                    Path(kimi_inductor.kernels.__file__).parent)
         files = [f for folder in folders for f in sorted(folder.rglob("*.py"))]
-        return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json() + dispatch_tables())
+        return get_hash_for_files(tuple(str(f) for f in files),
+                                  extra=self.options.to_json() + dispatch_tables() + switches())
+
+
+def switches() -> str:
+    """Our environment switches as set in this process (every ``KIMI_*`` variable,
+    docs/kernels.md), in a canonical text."""
+    return repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("KIMI_")))
 
 
 def dispatch_tables() -> str:

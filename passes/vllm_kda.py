@@ -292,10 +292,7 @@ def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
         R, T = rows_of(a["mixed_qkv"]), rows_of(a["g2"])
 
         def rows(node):
-            cut = g.call_function(aten.slice.Tensor, (node, 0, 0, R))
-            if isinstance(R, int):
-                cut.meta["val"] = node.meta["val"][:R]
-            return cut
+            return g.call_function(aten.slice.Tensor, (node, 0, 0, R))
 
         conv_weight, W = a["conv_weight"], group.conv_width
         if tuple(conv_weight.meta["val"].shape) == (3, W, P):  # the native decode's copy: a [3, P, W] view
@@ -303,12 +300,10 @@ def lower(g: fx.Graph, group: KdaGroup, f_a: fx.Node, f_b: fx.Node) -> fx.Node:
         elif tuple(conv_weight.meta["val"].shape) != (3 * P, 1, W):
             conv_weight = g.call_function(aten.view.default, (conv_weight, [3 * P, 1, W]))
         slots = a["state_slots"]
-        slots_2d = g.call_function(aten.unsqueeze.default, (slots, 1))
-        slots_2d.meta["val"] = slots.meta["val"].unsqueeze(1)
         kwargs = dict(mixed_qkv=a["mixed_qkv"], f_a=rows(f_a), f_b_weight=f_b, g2=rows(a["g2"]), beta=rows(a["beta"]),
                       conv_weight=conv_weight, A_log=a["A_log"], dt_bias=a["dt_bias"], norm_weight=a["norm_weight"],
                       conv_start=group.conv_start, state_len=group.state_len, rec_start=group.rec_start,
-                      state_slots=slots_2d,
+                      state_slots=g.call_function(aten.unsqueeze.default, (slots, 1)),
                       num_accepted=_full(g, [R], 1, slots),
                       lower_bound=a["lower_bound"], norm_eps=a["norm_eps"], _page_base_index=0,
                       _all_bases=[group.page])

@@ -172,9 +172,10 @@ def test_inductor_kernels_take_pdl_unless_turned_off(monkeypatch):
     assert _inductor_pdl() == {}
 
 
-def test_pass_uuid_covers_options_and_dispatch_tables(monkeypatch):
-    """Inductor's FX graph cache keys on the uuid: options and dispatch tables changed at
-    run time (a benchmark's A/B variant) must not return the graph the other setting made."""
+def test_pass_uuid_covers_options_dispatch_tables_and_switches(monkeypatch):
+    """Inductor's FX graph cache keys on the uuid: options, dispatch tables and environment
+    switches changed at run time (a benchmark's A/B variant) must not return the graph the
+    other setting made."""
     from kimi_inductor.kernels import mla_decode, skinny_gemm
 
     a = KimiPasses(Options.from_mapping({}), MatchReport())
@@ -185,7 +186,12 @@ def test_pass_uuid_covers_options_and_dispatch_tables(monkeypatch):
     monkeypatch.setitem(skinny_gemm.FASTEST_BMM_GATE, (12, 512, 128), 64)
     assert len({a.uuid(), merged, KimiPasses(Options(), MatchReport()).uuid()}) == 2 and a.uuid() != merged
     monkeypatch.undo()
-    assert a.uuid() == KimiPasses(Options(), MatchReport()).uuid()
+    default = a.uuid()
+    assert default == KimiPasses(Options(), MatchReport()).uuid()
+    monkeypatch.setenv("KIMI_INDUCTOR_MOE_IN_ROWS", "4")  # read by moe_projections while it runs
+    assert a.uuid() != default
+    monkeypatch.undo()
+    assert a.uuid() == default
     assert Options.from_mapping({"decode": {"capture_sizes": [8]}}).decode == DecodeSettings(capture_sizes=(8,))
 
 

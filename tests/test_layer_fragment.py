@@ -73,25 +73,6 @@ def test_a_lone_attention_layer_is_lowered_and_equals_stock(preset, kind, label)
     assert all(torch.equal(a, b) for a, b in zip(cache, stock_cache))
 
 
-def test_a_lone_kda_layer_takes_its_output_gate_into_the_kernel(monkeypatch):
-    """The fragment ``benchmarks/kda_layer.py --gate-ab`` times: with the gate forced into
-    the KDA kernel (and the tiny in-projection on our GEMM) nothing is kept for it, and
-    the layer stays bitwise stock with the caches."""
-    from kimi_inductor.kernels import skinny_gemm
-
-    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "1")
-    monkeypatch.setitem(skinny_gemm.FASTEST, (544, 128), ((64, "tl_dot"),))
-    layer, (x, step, cache) = attention_layer("tiny", "kda")
-    stock_cache = tuple(c.clone() for c in cache)
-    with torch.no_grad():
-        want = layer(x, step, stock_cache)
-    report, got = compile_layer(layer, (x, step, cache))
-    lowered = next(p for p in report.passes if p.name == "lower_kernels")
-    assert lowered.rewritten >= 1 and not [s for s in lowered.skipped if "KDA" in s], lowered.skipped
-    assert torch.equal(got, want)
-    assert all(torch.equal(a, b) for a, b in zip(cache, stock_cache))
-
-
 def test_a_fragment_under_a_tp_setting_is_left_unchanged():
     layer, args = attention_layer("tiny", "kda")
     report, _ = compile_layer(layer, args, {"decode": {"tp": 2}})

@@ -236,8 +236,8 @@ def tp1_capture_and_numerics(steps):
 def native_kda_numerics(steps):
     """TP 1 with vLLM's native KDA decode (``kda_decode="native"``: SM90's op): the ops by
     role, then ``steps`` steps of vLLM eager, of every pass, of byte_pages alone and of
-    lower_kernels alone with the committed table (and the output gate in our KDA kernel),
-    then of every pass with the native op taken as faster at every request count."""
+    lower_kernels alone with the committed table, then of every pass with the native op
+    taken as faster at every request count."""
     from kimi_inductor import vllm_cpu
 
     vllm_config, model = vllm_cpu.build(tp=1, layers=LAYERS, kda_decode="native")
@@ -245,19 +245,7 @@ def native_kda_numerics(steps):
     graphs, _ = vllm_cpu.capture(model, vllm_config, vllm_cpu.next_step(vllm_config, batch))
     return {"ops": vllm_cpu.op_counts(graphs[0]), "biased": lowered_copy(graphs[0], with_conv_bias),
             **eager_and_compiled(vllm_config, model, batch, steps,
-                                 options=(EVERY_PASS, BYTE_PAGES, gate_in_kernel, LOWER_KERNELS, native_faster,
-                                          EVERY_PASS))}
-
-
-def gate_in_kernel():
-    """The KDA output gate's GEMV in our kernel (``passes/kda_gate.py``), with the tiny
-    in-projection (128 -> 544) on our GEMM as if measured faster there."""
-    import os
-
-    from kimi_inductor.kernels import skinny_gemm
-
-    os.environ["KIMI_INDUCTOR_KDA_GATE"] = "1"
-    skinny_gemm.FASTEST[(544, 128)] = ((64, "tl_dot"),)
+                                 options=(EVERY_PASS, BYTE_PAGES, LOWER_KERNELS, native_faster, EVERY_PASS))}
 
 
 def native_faster():
@@ -514,8 +502,7 @@ def test_native_kda_decode_is_ours_only_where_measured_faster():
     fused kernel on the same page where ``kda_decode.VERSUS_NATIVE`` says ours is faster
     at this graph's request count (2, with a padding row: measured faster at 2), and keeps it,
     saying why, where not. Either way every pass stays in the bf16 band of vLLM eager,
-    and byte_pages alone and lower_kernels alone (with the output gate's GEMV moved from
-    the in-projection into our KDA kernel) are bitwise vLLM eager."""
+    and byte_pages alone and lower_kernels alone are bitwise vLLM eager."""
     res = isolated(native_kda_numerics, 3)
     assert res["ops"].get("functionalized:_C::fused_kda_decode") == KDA_LAYERS
     ours, _, lowered, kept = res["reports"]
@@ -524,10 +511,9 @@ def test_native_kda_decode_is_ours_only_where_measured_faster():
         "requests (of 2; benchmarks/kda_kernel.py --vllm-native)" in skipped, skipped
     biased = next(p for p in res["biased"]["passes"] if p["name"] == "lower_kernels")["skipped"]
     assert any(s.startswith(f"{KDA_LAYERS} x kept: KDA core (vllm): native KDA decode with a conv bias") for s in biased)
-    for report, fused in ((ours, "fused KDA x1"), (lowered, "fused KDA + output gate x1"), (kept, None)):
+    for report, fused in ((ours, True), (lowered, True), (kept, False)):
         kda = [layer for layer in report[0]["layers"] if layer["kind"] == "kda"]
-        assert len(kda) == KDA_LAYERS and all(("fused KDA" in layer["notes"]["kernels"]) == bool(fused) and
-                                              (not fused or fused in layer["notes"]["kernels"]) for layer in kda)
+        assert len(kda) == KDA_LAYERS and all(("fused KDA x1" in layer["notes"]["kernels"]) == fused for layer in kda)
     for every in (res["compiled"][0], res["compiled"][3]):
         assert_in_band(res["eager"], every)
     for alone in (res["compiled"][1], res["compiled"][2]):

@@ -20,12 +20,6 @@ Implementations, each deterministic (replicated GEMMs give every rank the same b
 Dispatch (``choose``): the fastest of the three per (N, K, M) as measured inside CUDA
 graphs (``FASTEST``); shapes not measured stay on cuBLAS.
 
-A gap (``gap_start``, ``gap_rows``): W's rows [gap_start, gap_start + gap_rows) are
-left out, ``out = x cat(W[:gap_start], W[gap_start + gap_rows:])^T`` [M, N - gap_rows],
-read in place (no copy of W): the KDA in-projection without its output-gate columns,
-which the KDA kernel then computes beside its recurrence (``kda_decode``'s ``g2_weight``).
-Both of our kernels take it (``gap_supported``); on cuBLAS the full product's columns.
-
 Two fused neighbours, where the CuTe GEMV runs (``choose_fused``; elsewhere the
 ``lower_kernels`` pass leaves the pair unfused):
   * ``kimi_kernels::rms_norm_mm``: ``[acc +] rms_norm(x, norm_weight, eps) W^T`` (the MLA
@@ -120,19 +114,9 @@ def supported(M: int, N: int, K: int, dtype: torch.dtype) -> str:
     return ""
 
 
-def gap_supported(N: int, gap_start: int, gap_rows: int) -> str:
-    """Why our kernels cannot leave out W's rows [gap_start, gap_start + gap_rows) of N ('' when
-    they can: whole 64-row tiles before the gap, so no warp or tile straddles it)."""
-    if gap_rows < 0 or gap_start < 0 or gap_start + gap_rows > N:
-        return f"rows [{gap_start}, {gap_start + gap_rows}) are not rows of W's {N}"
-    if gap_start % 64 or gap_rows % 8:
-        return f"a gap at row {gap_start} of {gap_rows} rows (the kernels need gap_start % 64 == 0, gap_rows % 8 == 0)"
-    return ""
-
-
-def choose(M: int, N: int, K: int, dtype: torch.dtype, gap: tuple[int, int] = (0, 0)) -> tuple[str, str]:
+def choose(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[str, str]:
     """(implementation, why): 'cute_gemv', 'tl_dot' or 'cublas', with the reason the
-    measured fastest is not taken (N: the weight's rows, ``gap`` as ``skinny_mm``'s)."""
+    measured fastest is not taken."""
     why = supported(M, N, K, dtype)
     if why:
         return "cublas", why
@@ -142,8 +126,7 @@ def choose(M: int, N: int, K: int, dtype: torch.dtype, gap: tuple[int, int] = (0
     if not impl:
         return "cublas", f"cuBLAS was faster from {FASTEST[(N, K)][-1][0] + 1} rows ({RESULTS})"
     if impl == "cute_gemv":
-        why = cute_available() or (dtype != torch.bfloat16 and f"dtype {dtype}") or \
-            _cute().supported(M, N, K, gap=gap)
+        why = cute_available() or (dtype != torch.bfloat16 and f"dtype {dtype}") or _cute().supported(M, N, K)
         if why:
             return "tl_dot", f"not the CuTe GEMV: {why}"
     return impl, ""
@@ -190,35 +173,23 @@ def _cute():
     return cute_gemv
 
 
-def _check_gap(weight: Tensor, acc: Tensor | None, gap: tuple[int, int]) -> None:
-    why = gap_supported(weight.shape[0], *gap) if gap[1] else ""
-    if gap[1] and acc is not None:
-        why = "an accumulator with a gap (the in-projection it serves has none)"
-    if why:
-        raise ValueError(f"kimi_kernels.skinny_mm: {why}")
-
-
-def _fake(x, weight, acc, out_dtype, gap_start=0, gap_rows=0):
-    _check_gap(weight, acc, (gap_start, gap_rows))
-    return x.new_empty(x.shape[0], weight.shape[0] - gap_rows, dtype=out_dtype)
+def _fake(x, weight, acc, out_dtype):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::skinny_mm", mutates_args=())
-def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch.dtype, gap_start: int = 0,
-              gap_rows: int = 0) -> Tensor:
+def skinny_mm(x: Tensor, weight: Tensor, acc: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
     M, K = x.shape
     N = weight.shape[0]
-    gap = (gap_start, gap_rows)
-    _check_gap(weight, acc, gap)
     if INTERPRET and not x.is_cuda and not supported(M, N, K, x.dtype):
-        return tl_dot.run(x.contiguous(), weight, acc, out_dtype, gap=gap)
-    impl = choose(M, N, K, x.dtype, gap)[0] if x.is_cuda else "cublas"
+        return tl_dot.run(x.contiguous(), weight, acc, out_dtype)
+    impl = choose(M, N, K, x.dtype)[0] if x.is_cuda else "cublas"
     if impl == "cublas":
-        return reference(x, weight, acc, out_dtype, gap)
+        return reference(x, weight, acc, out_dtype)
     assert weight.stride(1) == 1 and (acc is None or acc.is_contiguous())
     if impl == "cute_gemv":  # reads a row-strided x in place
-        return _cute().run(x, weight.contiguous(), acc, out_dtype, gap=gap)
-    return tl_dot.run(x if x.stride(1) == 1 else x.contiguous(), weight, acc, out_dtype, gap=gap)
+        return _cute().run(x, weight.contiguous(), acc, out_dtype)
+    return tl_dot.run(x if x.stride(1) == 1 else x.contiguous(), weight, acc, out_dtype)
 
 
 skinny_mm.register_fake(_fake)
@@ -292,13 +263,8 @@ def _(x, weight, beta, linear_beta):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
-def reference(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype,
-              gap: tuple[int, int] = (0, 0)) -> Tensor:
-    """``[acc +] x W^T`` as stock computes it (addmm / mm, or fp32 logits from bf16); with a
-    ``gap`` (start, rows), the full product's columns but those (bitwise the ungapped)."""
-    if gap[1]:
-        out = reference(x, weight, acc, out_dtype)
-        return torch.cat([out[:, :gap[0]], out[:, gap[0] + gap[1]:]], dim=1)
+def reference(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """``[acc +] x W^T`` as stock computes it (addmm / mm, or fp32 logits from bf16)."""
     if out_dtype == x.dtype:
         return torch.addmm(acc, x, weight.t()) if acc is not None else x @ weight.t()
     out = x.to(out_dtype) @ weight.to(out_dtype).t()

@@ -43,10 +43,6 @@ before it finishes; the KDA kernel releases o_proj only after its own loads, so 
 streams do not compete. The GEMV releases the kernel after it once every CTA has issued
 its weight loads (``pdl_wait``).
 
-A gap (``gap``: start, rows): output n reads weight row n, or n + rows from n = start on
-(the in-projection without its output-gate rows, ``skinny_mm``); a warp's R outputs sit
-on one side of it (start % R == 0).
-
 Constraints (checked by ``supported``): K % (256 SPLIT) == 0, N % R == 0, 16-byte aligned
 rows.
 """
@@ -174,12 +170,9 @@ def fused_config(M: int, N: int, K: int, fusion: Fusion) -> Config:
     return cfg._replace(r=max(1, cfg.r // 2)) if fusion.situ else cfg
 
 
-def supported(M: int, N: int, K: int, cfg: Config | None = None, fusion: Fusion = PLAIN,
-              gap: tuple[int, int] = (0, 0)) -> str:
+def supported(M: int, N: int, K: int, cfg: Config | None = None, fusion: Fusion = PLAIN) -> str:
     """N: the weight's rows (2 I with SiTU)."""
     cfg = cfg or fused_config(M, N, K, fusion)
-    if gap[1] and (fusion != PLAIN or gap[0] % cfg.r or (N - gap[1]) % cfg.r):
-        return f"a gap at row {gap[0]} of {gap[1]} rows with {cfg.r} outputs per warp (plain GEMVs, whole warps)"
     if fusion.situ and N % 2:
         return f"N={N}: SiTU needs [gate; up] halves"
     N = N // 2 if fusion.situ else N
@@ -197,10 +190,8 @@ class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0,
-                 gap: tuple[int, int] = (0, 0)):
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0):
         self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
-        self.gap_start, self.gap_rows = gap
         self.preload = min(preload, k // (STEP * split)) if pdl else 0  # warp steps of W read before the wait
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
@@ -304,10 +295,9 @@ class SplitKGemv:
         if const_expr(self.preload > 0):
             if n0 < n:
                 wv = cute.logical_divide(w, (None, VEC))
-                w0 = self.weight_row(n0)
                 for t in cutlass.range_constexpr(self.preload):
                     for j in cutlass.range_constexpr(self.wrows):
-                        cute.copy(load_w, wv[w0 + j % self.r + (j // self.r) * half, (None, kv0 + t * WARP)],
+                        cute.copy(load_w, wv[n0 + j % self.r + (j // self.r) * half, (None, kv0 + t * WARP)],
                                   ahead[t, j, None])
         return ahead
 
@@ -317,13 +307,11 @@ class SplitKGemv:
             ahead: cute.Tensor | None = None):
         """The warp's dot products over ``steps`` warp steps from 16-byte vector ``kv0``,
         warp-reduced into ``part`` (and ``sq``): outputs n0 .. n0 + R - 1, whose weight rows
-        are n0 + j (past a gap: shifted, ``weight_row``) and, with SiTU, the up rows half +
-        n0 + j; the first ``preload`` steps' weights are ``ahead``'s (``read_ahead``; None
-        without preload: ``MoEInGemv``)."""
+        are n0 + j and, with SiTU, the up rows half + n0 + j; the first ``preload`` steps'
+        weights are ``ahead``'s (``read_ahead``; None without preload: ``MoEInGemv``)."""
         rows: cutlass.Constexpr = self.rows
         r: cutlass.Constexpr = self.r
         wrows: cutlass.Constexpr = self.wrows
-        n0 = self.weight_row(n0)
         # (row, (vector, k vector)) views: one 16-byte load is the slice [row, (None, kv)]
         xv = cute.logical_divide(x, (None, VEC))
         wv = cute.logical_divide(w, (None, VEC))
@@ -344,13 +332,6 @@ class SplitKGemv:
                 part[m, j] = cute.arch.warp_reduction_sum(part[m, j])
             if const_expr(self.norm):
                 sq[m] = cute.arch.warp_reduction_sum(sq[m])
-
-    @cute.jit
-    def weight_row(self, n0: Int32) -> Int32:
-        """The weight row of output ``n0`` (a warp's first): past the gap's start, shifted by its rows."""
-        if const_expr(self.gap_rows):
-            n0 = n0 + Int32(n0 >= self.gap_start) * self.gap_rows
-        return n0
 
     @cute.jit
     def accumulate(self, xv: cute.Tensor, gv: cute.Tensor, kv: Int32, wr: cute.Tensor, xr: cute.Tensor,
@@ -690,18 +671,16 @@ def _fake(dtype, shape):
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0,
-                 gap: tuple[int, int] = (0, 0)):
+                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
     N: the weight's rows; ``pdl``: launched with programmatic dependent launch;
     ``x_stride``: x's row stride (``row_stride``), K when omitted; ``preload``: warp steps
-    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps);
-    ``gap``: (start, rows) of W left out."""
+    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps)."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
-                        fusion, K, pdl=pdl, preload=preload, gap=gap)
-    n_out = N // 2 if fusion.situ else N - gap[1]
+                        fusion, K, pdl=pdl, preload=preload)
+    n_out = N // 2 if fusion.situ else N
     x = make_fake_tensor(cutlass.BFloat16, (M, K), (x_stride or K, 1), assumed_align=16)
     args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
             _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
@@ -742,25 +721,24 @@ _executors: dict[tuple, tuple[object, torch.Tensor]] = {}  # key -> (executor, i
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dtype: torch.dtype,
-        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None,
-        gap: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
-    n_out = N // 2 if fusion.situ else N - gap[1]
+    n_out = N // 2 if fusion.situ else N
     cfg = cfg or fused_config(M, N, K, fusion)
     on = bool(pdl(x.device)["PDL"])
     stride = row_stride(x)
     if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
         x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
     ahead = preload_steps() if on else 0
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, gap, x.device.index)
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
         counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
         _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
-                                       x_stride=stride, preload=ahead, gap=gap), counters
+                                       x_stride=stride, preload=ahead), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
     ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)

@@ -28,29 +28,26 @@ if triton is not None:
 
     @triton.jit
     def _mm_kernel(x_ptr, w_ptr, acc_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x, stride_w, stride_acc,
-                   stride_out, SPLIT, gap_start, gap_rows, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   REDUCE: tl.constexpr, HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
-                   PDL: tl.constexpr):
-        """Program (n tile, K chunk): out^T[BN, BM] = W[BN, chunk] x^T[chunk, BM], the tile's
-        weight rows shifted past the gap (N: outputs). With SPLIT > 1 (REDUCE) each chunk's
-        fp32 partial goes to ws[n tile, split] and the tile's last program to arrive at
-        cnt[n tile] sums them in split order (deterministic) and writes."""
+                   stride_out, SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, REDUCE: tl.constexpr,
+                   HAS_ACC: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+        """Program (n tile, K chunk): out^T[BN, BM] = W[BN, chunk] x^T[chunk, BM]. With
+        SPLIT > 1 (REDUCE) each chunk's fp32 partial goes to ws[n tile, split] and the tile's
+        last program to arrive at cnt[n tile] sums them in split order (deterministic) and
+        writes."""
         pdl_wait(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
-        w0 = pid_n * BN + tl.where(pid_n * BN >= gap_start, gap_rows, 0)  # the tile's first weight row
-        rw = w0 + tl.arange(0, BN)
         chunk = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
         k_lo = pid_k * chunk
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BK):
             rk = k0 + tl.arange(0, BK)
             if TMA:  # w_ptr is a TensorDescriptor of W [N, K], block [BN, BK] (zero past the edges)
-                w = w_ptr.load([w0, k0])
+                w = w_ptr.load([pid_n * BN, k0])
             else:
-                w = tl.load(w_ptr + rw[:, None] * stride_w + rk[None, :],
+                w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :],
                             mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
             x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                         other=0.0)
@@ -142,15 +139,11 @@ def stages(tiles: int, split: int = 1, itemsize: int = 2) -> int:
     return 7 if split == 1 and 2 * tiles <= SMS else 5
 
 
-def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype, cfg: Tile | None = None,
-        gap: tuple[int, int] = (0, 0)) -> Tensor:
-    """x [M, K] (unit K stride) times weight [N, K]^T (+ acc [M, N]) -> [M, N] ``out_dtype``;
-    with ``gap`` (start, rows): W's rows but those, [M, N - rows] (start a multiple of the
-    tile's rows)."""
+def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype, cfg: Tile | None = None) -> Tensor:
+    """x [M, K] (unit K stride) times weight [N, K]^T (+ acc [M, N]) -> [M, N] ``out_dtype``."""
     M, K = x.shape
-    N = weight.shape[0] - gap[1]
+    N = weight.shape[0]
     cfg = cfg or config(M, N, K, x.element_size())
-    assert gap[0] % cfg.bn == 0, f"a gap at row {gap[0]} splits a {cfg.bn}-row tile"
     bm = max(16, triton.next_power_of_2(M))
     tiles = triton.cdiv(N, cfg.bn)
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
@@ -160,9 +153,8 @@ def run(x: Tensor, weight: Tensor, acc: Tensor | None, out_dtype: torch.dtype, c
     w = TensorDescriptor.from_tensor(weight, [cfg.bn, cfg.bk]) if cfg.tma else weight
     _mm_kernel[(tiles, cfg.split)](
         x, w, acc_arg, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0), acc_arg.stride(0), out.stride(0),
-        cfg.split, *gap, BM=bm, BN=cfg.bn, BK=cfg.bk, REDUCE=cfg.split > 1,
-        HAS_ACC=acc is not None, DOT_F32=dot_f32(x.dtype), TMA=cfg.tma, num_warps=cfg.warps, num_stages=cfg.stages,
-        **pdl(x.device))
+        cfg.split, BM=bm, BN=cfg.bn, BK=cfg.bk, REDUCE=cfg.split > 1, HAS_ACC=acc is not None,
+        DOT_F32=dot_f32(x.dtype), TMA=cfg.tma, num_warps=cfg.warps, num_stages=cfg.stages, **pdl(x.device))
     return out
 
 

@@ -61,34 +61,6 @@ def test_kernel_matches_reference(R, q, H, D, dtype, nv, nc, monkeypatch):
 
 
 @pytest.mark.parametrize("H, D", SHAPES)
-@pytest.mark.parametrize("R, q", [(1, 1), (3, 1), (2, 4), (5, 4)])
-@pytest.mark.parametrize("nv, nc", [(1, 1), (4, 1), (2, 2)])
-def test_output_gate_computed_in_the_kernel(R, q, H, D, nv, nc, monkeypatch):
-    """With ``x`` and ``g2_weight`` in place of g2, the head's gate programs compute g2 =
-    x W_g2^T for every request (T = 20: a 32-row dot) beside the recurrence, and each
-    request's last program to arrive normalises it: the reference's values (stock's GEMM
-    for g2), the same states, both arrival counters reset; padding rows zero. Giving
-    both forms, or neither, is refused."""
-    monkeypatch.setattr(K, "v_split", lambda R, H, D, Q=1: (nv, D // nv // nc))
-    hidden = 7168 if DEVICE == "cuda" else 96  # not a multiple of the gate programs' K step on CPU
-    x = inputs(R, q, H, D, seed=R * 10 + q + 1)
-    g = torch.Generator().manual_seed(hidden)
-    x.update(g2=None, x=torch.randn(R * q, hidden, generator=g).to(torch.bfloat16),
-             g2_weight=(torch.randn(4 * H * D, hidden, generator=g) * hidden**-0.5).to(torch.bfloat16)[H * D:2 * H * D])
-    want_conv, want_rec = x["conv_state"].clone(), x["recurrent_state"].clone()
-    want = K.reference(**{**x, "conv_state": want_conv, "recurrent_state": want_rec})
-    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-    got = torch.ops.kimi_kernels.kda_decode(**dev)
-    assert not K.arrival_counters(got.device, 2 * R * H).any()
-    torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
-    assert torch.equal(dev["conv_state"].cpu(), want_conv)
-    torch.testing.assert_close(dev["recurrent_state"].cpu(), want_rec, atol=1e-3, rtol=1e-3)
-    assert got.view(R, q, -1)[1 % R].abs().max() == 0  # the padding request
-    with pytest.raises(ValueError, match="either as g2 or as x and g2_weight"):
-        torch.ops.kimi_kernels.kda_decode(**{**dev, "g2": got})
-
-
-@pytest.mark.parametrize("H, D", SHAPES)
 def test_states_as_views_of_one_page_per_slot(H, D):
     """vLLM binds a KDA layer's conv and recurrent states as bf16 / fp32 views of one int8
     page per slot (slot stride = the page, not the state): ``kda_decode_paged`` reads and
@@ -149,27 +121,3 @@ def test_v_split_streams_chunks_between_one_and_three_programs_an_sm(monkeypatch
         monkeypatch.setenv("KIMI_INDUCTOR_KDA_CHUNK", bad)
         with pytest.raises(ValueError, match="KIMI_INDUCTOR_KDA_CHUNK"):
             K.v_split(one + 1, 12, 128)
-
-
-def test_output_gate_in_the_kernel_by_request_count(monkeypatch):
-    """``gate_in_kernel``: off until measured (the reason names the benchmark), then where
-    the layer was faster at the nearest measured counts on both sides (as
-    ``versus_native``); ``KIMI_INDUCTOR_KDA_GATE`` 1 / 0 forces it either way, and any other
-    value is refused naming the choices. More than 64 rows of x are refused by the op."""
-    monkeypatch.delenv("KIMI_INDUCTOR_KDA_GATE", raising=False)
-    monkeypatch.setattr(K, "GATE_IN_KERNEL", {})
-    assert "not yet measured" in K.gate_in_kernel(1) and "--gate-ab" in K.gate_in_kernel(1)
-    monkeypatch.setattr(K, "GATE_IN_KERNEL", {1: True, 2: True, 8: False})
-    assert [r for r in range(1, 12) if K.gate_in_kernel(r) == ""] == [1, 2]
-    assert "at [8] requests (of 5;" in K.gate_in_kernel(5)
-    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "1")
-    assert K.gate_in_kernel(8) == ""
-    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "0")
-    assert K.gate_in_kernel(1) == "KIMI_INDUCTOR_KDA_GATE=0"
-    monkeypatch.setenv("KIMI_INDUCTOR_KDA_GATE", "yes")
-    with pytest.raises(ValueError, match="KIMI_INDUCTOR_KDA_GATE='yes': 1 .* 0 .* or unset"):
-        K.gate_in_kernel(1)
-    if K.triton is not None:
-        assert K.gate_tiles(20, 7168) == {"TB": 32, "BKG": 128}
-        with pytest.raises(ValueError, match="at most 64 rows of x, not 65"):
-            K.gate_tiles(65, 7168)

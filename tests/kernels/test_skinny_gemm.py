@@ -72,28 +72,6 @@ def test_weight_wide_gemm_matches_torch(M, N, K, out_dtype, with_acc, split, tma
     assert not arrival_counters(x.device, N).any()
 
 
-@pytest.mark.parametrize("M", [1, 2, 5])
-@pytest.mark.parametrize("split", [1, 3])
-def test_gap_leaves_out_weight_rows(M, split):
-    """``skinny_mm`` with a gap (the KDA in-projection without its output-gate rows, at
-    TP8 shapes on the GPU): the product with the other rows, the weight read in place;
-    ``tl_dot.run`` with a K split too; the reference is the ungapped product's columns,
-    bitwise. A gap the kernels cannot take is refused with the reason."""
-    N, K, gap = (6288, 7168, (4608, 1536)) if DEVICE == "cuda" else (160, 256, (64, 32))
-    (x, w, _), _ = operands(M, N, K, torch.bfloat16, False)
-    kept = torch.cat([w[:gap[0]], w[sum(gap):]])
-    want = x.float().cpu() @ kept.float().cpu().t()
-    check(torch.ops.kimi_kernels.skinny_mm(x, w, None, torch.bfloat16, *gap), want, torch.bfloat16)
-    cfg = tl_dot.Tile(bn=64 if DEVICE == "cuda" else 32, bk=128 if DEVICE == "cuda" else 64, split=split, stages=4,
-                      warps=4)
-    check(tl_dot.run(x, w, None, torch.bfloat16, cfg, gap=gap), want, torch.bfloat16)
-    full = skinny_gemm.reference(x, w, None, torch.bfloat16)
-    assert torch.equal(skinny_gemm.reference(x, w, None, torch.bfloat16, gap),
-                       torch.cat([full[:, :gap[0]], full[:, sum(gap):]], 1))
-    with pytest.raises(ValueError, match="gap_start % 64"):
-        torch.ops.kimi_kernels.skinny_mm(x, w, None, torch.bfloat16, 40, 32)
-
-
 @pytest.mark.parametrize("B, K, N", [(12, 128, 512), (12, 512, 128)] if DEVICE == "cuda" else [(3, 32, 48), (4, 256, 40)])
 @pytest.mark.parametrize("M", [1, 5, 17, 64])
 def test_per_head_gemm_matches_torch(B, K, N, M):
@@ -231,18 +209,6 @@ def test_cute_gemv_compiles_for_sm90a(M, N, K, pdl, x_stride):
     assert not cute_gemv.supported(M, N, K, cfg)
     exe = cute_gemv.compile_gemv(M, N, K, True, torch.bfloat16, cfg, arch="sm_90a", pdl=pdl, x_stride=x_stride)
     assert exe.has_gpu_module
-
-
-@needs_cute
-@pytest.mark.parametrize("M", [1, 2])
-def test_cute_gemv_with_a_gap_compiles_for_sm90a(M):
-    """The KDA in-projection without its output-gate rows (TP8: rows 4608-6143 of 6288)."""
-    from kimi_inductor.kernels.skinny_gemm import cute_gemv
-
-    cfg, gap = cute_gemv.config(M, 6288, 7168), (4608, 1536)
-    assert not cute_gemv.supported(M, 6288, 7168, cfg, gap=gap)
-    assert cute_gemv.compile_gemv(M, 6288, 7168, False, torch.bfloat16, cfg, arch="sm_90a", pdl=True, preload=6,
-                                  gap=gap).has_gpu_module
 
 
 @needs_cute
