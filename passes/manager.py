@@ -9,9 +9,10 @@ rewrites are local (``FRAGMENT_PASSES``).
 ``KimiPasses`` is a ``CustomGraphPass``: its ``uuid()`` hashes the source of every
 module the rewrites depend on (passes, stock, kernels, recursively), the options, the
 dispatch tables as they are now (``dispatch_tables``: a table changed at run time, as a
-benchmark's A/B variant or a user's retuning does, changes what the passes emit) and our
-environment switches (``switches``: ``KIMI_INDUCTOR_MOE_IN_ROWS`` is read while the passes
-run), so Inductor's FX graph cache never returns a graph compiled by other passes or
+benchmark's A/B variant or a user's retuning does, changes what the passes emit) and the
+environment they read while they run (``environment``: our switches, such as
+``KIMI_INDUCTOR_MOE_IN_ROWS``, and whether CuTe DSL imports, which decides the GEMV
+fusions), so Inductor's FX graph cache never returns a graph compiled by other passes or
 settings (on a cache hit the passes do not run and the report says so).
 
 Logging: ``TORCH_LOGS=kimi_inductor`` prints the report of every compiled graph;
@@ -165,14 +166,18 @@ class KimiPasses(CustomGraphPass):
         folders = (Path(__file__).parent, Path(kimi_inductor.stock.__file__).parent,
                    Path(kimi_inductor.kernels.__file__).parent)
         files = [f for folder in folders for f in sorted(folder.rglob("*.py"))]
-        return get_hash_for_files(tuple(str(f) for f in files),
-                                  extra=self.options.to_json() + dispatch_tables() + switches())
+        env = environment()  # first: finding CuTe imports cute_gemv, whose tables then count
+        return get_hash_for_files(tuple(str(f) for f in files), extra=self.options.to_json() + dispatch_tables() + env)
 
 
-def switches() -> str:
-    """Our environment switches as set in this process (every ``KIMI_*`` variable,
-    docs/kernels.md), in a canonical text."""
-    return repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("KIMI_")))
+def environment() -> str:
+    """What the passes read from this process's environment, in a canonical text: every
+    ``KIMI_*`` variable as set (our switches, docs/kernels.md) and why CuTe DSL does not
+    import ('' when it does)."""
+    from kimi_inductor.kernels import skinny_gemm
+
+    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("KIMI_"))
+    return repr((switches, skinny_gemm.cute_available()))
 
 
 def dispatch_tables() -> str:

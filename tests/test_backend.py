@@ -172,10 +172,10 @@ def test_inductor_kernels_take_pdl_unless_turned_off(monkeypatch):
     assert _inductor_pdl() == {}
 
 
-def test_pass_uuid_covers_options_dispatch_tables_and_switches(monkeypatch):
-    """Inductor's FX graph cache keys on the uuid: options, dispatch tables and environment
-    switches changed at run time (a benchmark's A/B variant) must not return the graph the
-    other setting made."""
+def test_pass_uuid_covers_options_dispatch_tables_and_environment(monkeypatch):
+    """Inductor's FX graph cache keys on the uuid: options, dispatch tables, environment
+    switches and CuTe DSL's presence changed at run time (a benchmark's A/B variant, a user
+    installing the cute extra) must not return the graph the other setting made."""
     from kimi_inductor.kernels import mla_decode, skinny_gemm
 
     a = KimiPasses(Options.from_mapping({}), MatchReport())
@@ -189,6 +189,9 @@ def test_pass_uuid_covers_options_dispatch_tables_and_switches(monkeypatch):
     default = a.uuid()
     assert default == KimiPasses(Options(), MatchReport()).uuid()
     monkeypatch.setenv("KIMI_INDUCTOR_MOE_IN_ROWS", "4")  # read by moe_projections while it runs
+    assert a.uuid() != default
+    monkeypatch.undo()
+    monkeypatch.setattr(skinny_gemm, "cute_available", lambda: "a stand-in reason")  # the GEMV fusions need CuTe
     assert a.uuid() != default
     monkeypatch.undo()
     assert a.uuid() == default
