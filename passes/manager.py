@@ -34,6 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 import kimi_inductor.kernels
 import kimi_inductor.stock
 from kimi_inductor.config import Options
+from kimi_inductor.kernels import skinny_gemm
 from kimi_inductor.logs import graph_log
 
 from . import collectives
@@ -174,8 +175,6 @@ def environment() -> str:
     """What the passes read from this process's environment, in a canonical text: every
     ``KIMI_*`` variable as set (our switches, docs/kernels.md) and why CuTe DSL does not
     import ('' when it does)."""
-    from kimi_inductor.kernels import skinny_gemm
-
     switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("KIMI_"))
     return repr((switches, skinny_gemm.cute_available()))
 
