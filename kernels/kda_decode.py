@@ -83,12 +83,15 @@ if triton is not None:
         qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
         convw_ptr, stride_cw_j, stride_cw_p, stride_cw_t, alog_ptr, dtb_ptr, normw_ptr,
         conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, stride_rec_s, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr,
-        cnt_ptr,
+        cnt_ptr, sig_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
+        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr, SIGNAL: tl.constexpr = False,
     ):
-        pdl_wait(PDL, RELEASE=False)  # released below, after the loads
+        if SIGNAL:  # the in-projection's flags (``kda_projected``), not its completion
+            _await_flag(sig_ptr)
+        else:
+            pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         r = tl.program_id(0)
         h = tl.program_id(1)
         BV: tl.constexpr = D // NV
@@ -205,6 +208,8 @@ if triton is not None:
                 slot_t = tl.maximum(slot_t, 0).to(tl.int64)
                 tl.store(rec_ptr + slot_t * stride_rec_s + head + v[:, None] * D + d[None, :], S, mask=keep)
                 if NV == 1 and NC == 1:
+                    if SIGNAL:
+                        _await_flag(sig_ptr + 1)  # the output gate's columns
                     _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
                 else:
                     tl.store(ws_ptr + (row * H + h) * D + v, o)
@@ -220,10 +225,30 @@ if triton is not None:
                 tl.store(cnt_ptr + r * H + h, 0)
                 _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, xq, xk, qkv_ptr, stride_qkv, r, Q,
                                  live)
+                if SIGNAL:
+                    _await_flag(sig_ptr + 1)
                 _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
         elif NC > 1:
             tl.debug_barrier()  # every chunk's o rows are out
+            if SIGNAL:
+                _await_flag(sig_ptr + 1)
             _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
+        if SIGNAL:
+            # the last program to get here (every one that reads the gate's flag has) resets
+            # both flags and this counter for the next call
+            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+            if tl.atomic_add(sig_ptr + 2, 1, sem="acq_rel", scope="gpu") == programs - 1:
+                tl.store(sig_ptr, 0)
+                tl.store(sig_ptr + 1, 0)
+                tl.store(sig_ptr + 2, 0)
+
+    @triton.jit
+    def _await_flag(flag_ptr):
+        """Spin until the int32 at ``flag_ptr`` is non-zero (an acquire: what its setter wrote
+        before setting it is visible after)."""
+        ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        while ready == 0:
+            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
 
     @triton.jit
     def _qk_gate(xq, xk, q0, q1, q2, k0, k1, k2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3, g1_all, tq, t, a_h, dtb,
@@ -299,7 +324,17 @@ def kda_decode(
     if not use_triton:
         return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                          conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
+    return launch(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+                  recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
+
+
+def launch(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+           recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, signal: Tensor | None = None) -> Tensor:
+    """The Triton kernel on the op's arguments. ``signal`` (int32 [3], zero between calls:
+    ``cute_gemv.Defer``'s flags and reader counter): wait for the in-projection's flags in
+    place of its completion, the second only before the gated norm; reset them at exit."""
     R, Q = state_slots.shape
+    H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
     assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1
     mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
     f_b_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (f_b_weight, A_log, dt_bias, norm_weight))
@@ -307,10 +342,11 @@ def kda_decode(
     nv, bc = v_split(R, H, D, Q)
     _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc),
+        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc, signal),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, BC=bc, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, BC=bc, SIGNAL=signal is not None, num_warps=4,
+        **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
@@ -372,10 +408,10 @@ def v_split(R: int, H: int, D: int, Q: int = 1) -> tuple[int, int]:
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
                 recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1,
-                bc: int = 0) -> tuple:
+                bc: int = 0, signal: Tensor | None = None) -> tuple:
     """The Triton kernel's positional arguments (strides, and with ``nv`` > 1 or ``bc``
     rows of a block at a time the pre-norm workspace, with ``nv`` > 1 the arrival
-    counters, included)."""
+    counters, and ``signal`` (``launch``), included)."""
     R, H, D = state_slots.shape[0], recurrent_state.shape[1], recurrent_state.shape[-1]
     ws = torch.empty(out.shape[0], H, D, dtype=torch.float32, device=out.device) \
         if nv > 1 or 0 < bc < D // nv else out
@@ -384,7 +420,7 @@ def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bia
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
             cw, *cw.stride(), A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
             recurrent_state, recurrent_state.stride(0), state_slots, num_accepted, out, out.stride(0), ws, cnt,
-            lower_bound, norm_eps)
+            cnt if signal is None else signal, lower_bound, norm_eps)
 
 
 kda_decode.register_fake(_fake)

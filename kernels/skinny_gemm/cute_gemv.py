@@ -186,12 +186,54 @@ def supported(M: int, N: int, K: int, cfg: Config | None = None, fusion: Fusion 
     return ""
 
 
+class Defer(NamedTuple):
+    """Output tiles [t0, t1) of a split-free GEMV computed last, with a signal for a kernel
+    that runs beside them (``kimi_kernels::kda_decode_projected``: the KDA recurrence needs
+    every output but the output gate's, which it reads only at its norm). Of T tiles, CTA b
+    takes tile b below t0, the tiles from t1 on next, the deferred ones last: CTAs are
+    scheduled in index order, so the deferred tiles stream while the next kernel runs.
+    Deferred CTAs release the next kernel (PDL) at their start, the others after their K
+    loop (``dot``), so it is scheduled once the first tiles' loops are done, beside the
+    deferred tiles. counters [5] int32, zero between calls: the two groups' arrivals, then
+    their flags (set to 1 by each group's last tile, after its outputs are visible), then
+    an arrival counter for the reader, which resets flags and counter (``kda_decode``)."""
+
+    t0: int
+    t1: int
+    tiles: int
+
+    @cute.jit
+    def tile(self, b: Int32):
+        """(output tile, whether it is deferred) of CTA ``b``."""
+        after: cutlass.Constexpr = self.tiles - self.t1
+        width: cutlass.Constexpr = self.t1 - self.t0
+        t = b
+        if b >= self.t0:
+            t = b + width
+            if b >= self.t0 + after:
+                t = b - after
+        return t, b >= self.t0 + after
+
+    @cute.jit
+    def signal(self, counters: cute.Tensor, deferred, flag: cute.Tensor):
+        """Arrive at this CTA's group; the group's last sets its flag (a release: every
+        group tile's outputs are visible to a reader that sees the flag)."""
+        width: cutlass.Constexpr = self.t1 - self.t0
+        group = Int32(deferred)
+        if arrived_last(counters, group, self.tiles - width + group * (2 * width - self.tiles), flag):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx == 0:
+                cute.arch.atomic_add((counters.iterator + 2 + group).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+
+
 class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0):
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0,
+                 defer: Defer | None = None):
         self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
+        self.defer = defer
         self.preload = min(preload, k // (STEP * split)) if pdl else 0  # warp steps of W read before the wait
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
@@ -218,6 +260,9 @@ class SplitKGemv:
         """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
         with RMSNorm: the chunk's sum of x^2)]."""
         bx, s, _ = cute.arch.block_idx()
+        deferred = False
+        if const_expr(self.defer is not None):
+            bx, deferred = self.defer.tile(bx)
         # W does not depend on the kernels before this one: its first warp steps are read
         # before the PDL wait, overlapping their tail (``preload``)
         n0 = bx * self.tile + cute.arch.warp_idx() * self.r
@@ -226,7 +271,12 @@ class SplitKGemv:
         ahead = self.read_ahead(w, n0, n, half, kv0, load_w)
         pdl_wait(self.pdl)
         if const_expr(self.split == 1):
+            if deferred:  # the next kernel runs beside the deferred tiles (``Defer``)
+                cute.arch.griddepcontrol_launch_dependents()
             self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x, ahead)
+            if const_expr(self.defer is not None):
+                flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+                self.defer.signal(counters, deferred, flag)
         else:
             flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
             self.split_tile(x, w, gamma, acc, out, ws, counters, bx, s, flag, load_w, load_x, ahead)
@@ -671,21 +721,23 @@ def _fake(dtype, shape):
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0):
+                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0,
+                 defer: Defer | None = None):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
     N: the weight's rows; ``pdl``: launched with programmatic dependent launch;
     ``x_stride``: x's row stride (``row_stride``), K when omitted; ``preload``: warp steps
-    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps)."""
+    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps);
+    ``defer``: tiles computed last, with their signal (``Defer``; no split)."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
-                        fusion, K, pdl=pdl, preload=preload)
+                        fusion, K, pdl=pdl, preload=preload, defer=defer)
     n_out = N // 2 if fusion.situ else N
     x = make_fake_tensor(cutlass.BFloat16, (M, K), (x_stride or K, 1), assumed_align=16)
     args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
             _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
             _fake(torch.float32, (cfg.split, M, N + (fusion.eps is not None))),
-            _fake(torch.int32, (tiles(n_out, cfg),)),
+            _fake(torch.int32, (counter_count(n_out, cfg, defer),)),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # launches on torch's current stream
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *args, options=options)
@@ -717,11 +769,31 @@ def tiles(N: int, cfg: Config) -> int:
     return -(-N // (cfg.warps * cfg.r))
 
 
+def counter_count(N: int, cfg: Config, defer: Defer | None) -> int:
+    """int32 counters of an executor: one per output tile (split-K arrivals), or ``Defer``'s 5."""
+    return 5 if defer else tiles(N, cfg)
+
+
+def defer_tiles(M: int, N: int, K: int, lo: int, hi: int, cfg: Config | None = None) -> Defer | str:
+    """``Defer`` of outputs [lo, hi) of the plain GEMV at this shape, or why it cannot."""
+    cfg = cfg or config(M, N, K)
+    tile = cfg.warps * cfg.r
+    why = supported(M, N, K, cfg)
+    if not why and cfg.split > 1:
+        why = f"K split {cfg.split} ways (a deferred range needs whole-K tiles)"
+    if not why and (lo % tile or (hi % tile and hi != N) or not 0 < lo < hi <= N):
+        why = f"outputs [{lo}, {hi}) are not whole {tile}-output tiles inside [0, {N})"
+    return why or Defer(lo // tile, -(-hi // tile), tiles(N, cfg))
+
+
 _executors: dict[tuple, tuple[object, torch.Tensor]] = {}  # key -> (executor, its tiles' arrival counters)
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dtype: torch.dtype,
-        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None,
+        defer: Defer | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """out [M, N out]; with ``defer``: (out, its three signal words: the flags and the reader's
+    arrival counter, ``Defer``)."""
     M, K = x.shape
     N = weight.shape[0]
     n_out = N // 2 if fusion.situ else N
@@ -731,20 +803,21 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
         x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
     ahead = preload_steps() if on else 0
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, x.device.index)
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, defer, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
-        counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
+        # reset by each last CTA (with ``defer``: the flags by their reader)
+        counters = torch.zeros(counter_count(n_out, cfg, defer), dtype=torch.int32, device=x.device)
         _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
-                                       x_stride=stride, preload=ahead), counters
+                                       x_stride=stride, preload=ahead, defer=defer), counters
     exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
     ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)
     gamma = (norm_weight if norm_weight is not None else weight[0]).view(1, K)  # read only with RMSNorm
     exe(x, weight, gamma, acc if acc is not None else out, out, ws, counters)
-    return out
+    return (out, counters[2:]) if defer else out
 
 
 def run_moe_in(x: torch.Tensor, router_weight: torch.Tensor, latent_weight: torch.Tensor,
