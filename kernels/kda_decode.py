@@ -318,9 +318,7 @@ def kda_decode(
     state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
 ) -> Tensor:
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode")  # the kernel pads the q tokens' gate rows to 16
-    H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
-    use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(
-        conv_weight.shape[-1], D)
+    use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(conv_weight.shape[-1], recurrent_state.shape[-1])
     if not use_triton:
         return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                          conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
