@@ -8,18 +8,22 @@ y[:, beta:beta + H], ...)`` (P = H D; ``columns`` = (qkv, g2, fa, beta), stock's
 states in place. Where the overlap below does not run, exactly that composition.
 
 Why: at one row the in-projection is a 90 MB weight stream (21 us on an H200) and the
-KDA kernel a latency chain (about 5 us) that reads every column of y but the output
-gate g2's (22 MB of the stream) until its gated norm. Chained, the two add up. Here the
-CuTe GEMV computes g2's tiles last (``cute_gemv.Defer``) and flags the end of the other
-tiles and of g2's; the KDA kernel, launched (PDL) once the other tiles' loops are done,
-waits on the first flag instead of the GEMV's completion and on the second only before
-its norm, so the recurrence runs while g2's rows stream. Deadlock-free: the KDA kernel is
-scheduled only after every GEMV CTA has started (PDL releases after all CTAs trigger), so
-every tile it waits for is running or done.
+KDA kernel a latency chain (about 5 us) that needs every column of y but the output gate
+g2's (22 MB of the stream) until its gated norm. Chained, the two add up. Here, three
+launches: the CuTe GEMV of every column but g2's (``cute_gemv.Skip``); the KDA kernel,
+which leaves the gate out (z = RMSNorm(o) w, fp32) and arrives at a counter per
+(request, head); and the GEMV of g2's rows with the gate in its epilogue
+(``Fusion.gate_after``: out = z sigmoid(x W_g^T)), which does not wait for the KDA kernel
+(PDL: it is scheduled once the KDA kernel has done its loads) but only, after its K loop,
+for the counter. So g2's rows stream while the recurrence runs. Deadlock-free: the gated
+GEMV is scheduled only after every KDA program has started (PDL releases once every CTA
+has), so every arrival it waits for comes. Why not one GEMV that computes g2's tiles last:
+a decode GEMV's CTAs of one wave share the bandwidth and finish together, so no tile
+order frees the KDA inputs early (timed: docs/performance.md).
 
-Runs on CUDA where the CuTe GEMV takes the in-projection (``skinny_gemm.choose``) and
-can defer g2's outputs (whole tiles, no K split), and the Triton KDA kernel takes the
-layer; elsewhere the composition (the CPU reference, Triton under the interpreter).
+Runs on CUDA where the CuTe GEMV takes the in-projection (``skinny_gemm.choose``) and the
+g2 columns are whole tiles of it, and the Triton KDA kernel takes the layer; elsewhere the
+composition (the CPU reference, Triton under the interpreter).
 """
 
 from __future__ import annotations
@@ -46,18 +50,39 @@ def faster(M: int) -> str:
     return "" if FASTER_ROWS[M] else f"{M} rows: the pair measured faster (kda_projected.FASTER_ROWS)"
 
 
+def gate_config():
+    """The gated GEMV's configuration: one output per warp, 4 warps, whole K, 4 steps in
+    flight (the in-projection's at one row: P / 4 CTAs, one wave)."""
+    return skinny_gemm._cute().Config(1, 4, 1, 4)
+
+
 def overlapped(M: int, N: int, K: int, g2_at: int, width: int, dtype: torch.dtype, conv_width: int,
                head_dim: int) -> str:
-    """Why the GEMV and the KDA kernel do not overlap at these shapes ('' when they do):
-    ``width`` = P, g2's columns."""
+    """Why the in-projection and the KDA kernel do not overlap at these shapes ('' when
+    they do): ``width`` = P, g2's columns."""
     impl, why = skinny_gemm.choose(M, N, K, dtype)
     if impl != "cute_gemv":
         return f"the in-projection runs on {impl}, not the CuTe GEMV{': ' + why if why else ''}"
     why = kda.supported(conv_width, head_dim)
     if why:
         return f"KDA kernel: {why}"
-    defer = skinny_gemm._cute().defer_tiles(M, N, K, g2_at, g2_at + width)
-    return defer if isinstance(defer, str) else ""
+    cg = skinny_gemm._cute()
+    skip = cg.skip_tiles(M, N, K, g2_at, g2_at + width)
+    return skip if isinstance(skip, str) else cg.supported(M, width, K, gate_config())
+
+
+_counters: dict[torch.device, Tensor] = {}
+
+
+def gate_counter(device: torch.device) -> Tensor:
+    """The KDA kernel's arrivals and the gated GEMV's (``Fusion.gate_after``), zero between
+    calls; allocated on first use, before CUDA-graph capture."""
+    if device not in _counters:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kimi_kernels.kda_decode_projected: run the step once before CUDA-graph capture (its "
+                               "counters are allocated on first use)")
+        _counters[device] = torch.zeros(skinny_gemm._cute().GATE_ARRIVALS + 1, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def _pieces(y: Tensor, columns: list[int], H: int, D: int) -> tuple[Tensor, ...]:
@@ -75,11 +100,14 @@ def kda_decode_projected(
     (M, K), N = x.shape, in_weight.shape[0]
     if x.is_cuda and not INTERPRET and not overlapped(M, N, K, columns[1], H * D, x.dtype, conv_weight.shape[-1], D):
         cg = skinny_gemm._cute()
-        y, signal = cg.run(x, in_weight.contiguous(), None, x.dtype,
-                           defer=cg.defer_tiles(M, N, K, columns[1], columns[1] + H * D))
-        mixed_qkv, f_a, g2, beta = _pieces(y, columns, H, D)
-        return kda.launch(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
-                          conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, signal)
+        lo, hi = columns[1], columns[1] + H * D
+        mixed_qkv, f_a, g2, beta = _pieces(cg.run(x, in_weight, None, x.dtype, skip=cg.skip_tiles(M, N, K, lo, hi)),
+                                           columns, H, D)  # g2's columns unwritten, unread
+        counter = gate_counter(x.device)
+        z = kda.launch(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
+                       recurrent_state, state_slots, num_accepted, lower_bound, norm_eps, gate_counter=counter)
+        return cg.run(x, in_weight[lo:hi], None, x.dtype, cfg=gate_config(),
+                      fusion=cg.Fusion(gate_after=state_slots.shape[0] * H), z=z, counters=counter)
     mixed_qkv, f_a, g2, beta = _pieces(skinny_gemm.skinny_mm(x, in_weight, None, x.dtype), columns, H, D)
     return kda.kda_decode(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                           conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)

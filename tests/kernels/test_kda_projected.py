@@ -15,20 +15,23 @@ needs_cute = pytest.mark.skipif(bool(skinny_gemm.cute_available()), reason=skinn
 
 @pytest.mark.parametrize("H, D", SHAPES)
 @pytest.mark.parametrize("nv, nc", [(1, 1), (4, 1), (1, 4)])
-def test_signalled_kernel_equals_plain_and_resets_its_flags(H, D, nv, nc, monkeypatch):
-    """With both flags already set (the GEMV done) the signalled kernel computes what the
-    plain one does, and its last program leaves the flags and its counter at zero."""
+def test_kernel_leaves_the_gate_to_the_gemv_after_it(H, D, nv, nc, monkeypatch):
+    """With a gate counter the kernel returns z = RMSNorm(o) w in fp32 (zeros for padding),
+    z sigmoid(g2) rounded once is the plain kernel's output, the states are the same, and
+    every (request, head) arrived at the counter once."""
     monkeypatch.setattr(K, "v_split", lambda R, H, D, Q=1: (nv, D // nv // nc))
     R, q = 3, 1
     x = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(R, q, H, D, seed=5).items()}
     runs = []
-    for signal in (None, torch.tensor([1, 1, 0], dtype=torch.int32, device=DEVICE)):
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for gate_counter in (None, counter):
         y = {**x, "conv_state": x["conv_state"].clone(), "recurrent_state": x["recurrent_state"].clone()}
-        runs.append((K.launch(**y, signal=signal), y["conv_state"], y["recurrent_state"]))
-        if signal is not None:
-            assert signal.tolist() == [0, 0, 0]
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+        runs.append((K.launch(**y, gate_counter=gate_counter), y["conv_state"], y["recurrent_state"]))
+    (plain, *states), (z, *late_states) = runs
+    assert z.dtype == torch.float32 and counter.item() == R * H
+    gated = (z * torch.sigmoid(x["g2"].float())).to(plain.dtype)
+    torch.testing.assert_close(gated, plain, atol=0, rtol=2**-7)  # the sigmoid's ulp may move a rounding
+    assert all(torch.equal(a, b) for a, b in zip(states, late_states))
 
 
 def projected_inputs(M, H, D, K_in, seed):
@@ -85,14 +88,18 @@ def test_overlap_is_chosen_by_the_gemv_dispatch():
 
 
 @needs_cute
-def test_deferred_gemv_compiles_for_sm90a():
-    """The deferred-tile GEMV at one and two rows, TP8's in-projection, g2 deferred."""
+def test_skipping_and_gated_gemvs_compile_for_sm90a():
+    """At one and two rows, TP8's in-projection: the GEMV without g2's tiles, and the GEMV
+    of g2's rows with the gate in its epilogue."""
     from kimi_inductor.kernels.skinny_gemm import cute_gemv
 
     for M in (1, 2):
-        defer = cute_gemv.defer_tiles(M, 6288, 7168, 4608, 6144)
-        assert defer == cute_gemv.Defer(4608 // (4 * M), 6144 // (4 * M), 6288 // (4 * M))
-        exe = cute_gemv.compile_gemv(M, 6288, 7168, False, torch.bfloat16, cute_gemv.config(M, 6288, 7168),
-                                     arch="sm_90a", pdl=True, preload=6, defer=defer)
-        assert exe.has_gpu_module
-    assert "split 2 ways" in cute_gemv.defer_tiles(4, 3648, 7168, 1024, 2048)
+        skip = cute_gemv.skip_tiles(M, 6288, 7168, 4608, 6144)
+        assert skip == cute_gemv.Skip(4608 // (4 * M), 6144 // (4 * M), 6288 // (4 * M))
+        for args in (dict(cfg=cute_gemv.config(M, 6288, 7168), skip=skip, N=6288),
+                     dict(cfg=kda_projected.gate_config(), fusion=cute_gemv.Fusion(gate_after=12 * M), N=1536)):
+            N = args.pop("N")
+            exe = cute_gemv.compile_gemv(M, N, 7168, False, torch.bfloat16, arch="sm_90a", pdl=True, preload=6,
+                                         **args)
+            assert exe.has_gpu_module
+    assert "split 2 ways" in cute_gemv.skip_tiles(4, 3648, 7168, 1024, 2048)
