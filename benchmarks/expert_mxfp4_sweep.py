@@ -2,13 +2,15 @@
 MXFP4 codes and scales in the kernel's layout, each point in a CUDA graph:
 
 * the op (``expert_ffn.mma_grouped``) over n8 tiles of pairs per pass x 16-row blocks
-  per warp x warps per CTA, each checked bitwise against one tile and one block;
+  per warp x warps per CTA, each checked bitwise against one tile and one block, and its
+  default choice under each launch bound of ``--min-blocks`` (CTAs an SM the registers
+  must allow: ``default_mb{n}``);
 * its parts at the default choice, each alone: the pair grouping, the up projection,
   the down projection (with the floor of their own weight bytes) and the combine.
 
 At EP 8 shapes (112 local experts) and EP 1 (896), 1 / 8 / 32 / 64 rows, top-16.
 
-    python benchmarks/expert_mxfp4_sweep.py --json X [--experts 112 896] [--rows 1 8 32 64]
+    python benchmarks/expert_mxfp4_sweep.py --json X [--experts 112 896] [--rows 1 8 32 64] [--min-blocks 4]
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def parts_us(lat, w, ids, c13, t13, c2, t2) -> dict[str, float]:
     return out
 
 
-def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results) -> None:
+def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, min_blocks: list[int]) -> None:
     c13, t13, c2, t2 = experts(E)
     for rows in rows_list:
         ids, w = routing(rows, E, TOP_K, gen, "cuda")
@@ -85,6 +87,10 @@ def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results) -> N
                     row[key + "_us"] = graph_time_us(lambda i: op(tiles=tiles, rb=rb, warps=warps), calls=10,
                                                      replays=7)
         row["default_us"] = graph_time_us(lambda i: op(), calls=10, replays=7)
+        for mb in min_blocks:  # the default choice under a launch bound, interleaved with it
+            row[f"default_mb{mb}_equal"] = bool(torch.equal(op(min_blocks=mb), base))
+            row[f"default_mb{mb}_us"] = graph_time_us(lambda i: op(min_blocks=mb), calls=10, replays=7)
+            row["default_again_us"] = graph_time_us(lambda i: op(), calls=10, replays=7)
         row.update(parts_us(lat, w, ids, c13, t13, c2, t2))
         res.add(**row)
 
@@ -93,12 +99,14 @@ def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--experts", type=int, nargs="+", default=[112, 896])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--min-blocks", type=int, nargs="*", default=[],
+                   help="also time the default choice with these launch bounds (CTAs an SM)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     res = Results("expert_mxfp4_sweep")
     for E in args.experts:
-        sweep(E, args.rows, gen, res)
+        sweep(E, args.rows, gen, res, args.min_blocks)
         torch.cuda.empty_cache()
     if args.json:
         res.dump(args.json)

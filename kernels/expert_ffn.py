@@ -450,11 +450,12 @@ def expert_slots(counts: Tensor, slots: int) -> Tensor:
 
 def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor, beta: float,
                 linear_beta: float, w13_scale: Tensor, w2_scale: Tensor, tiles: int | None = None,
-                warps: int = 4, rb: int | None = None) -> Tensor:
+                warps: int = 4, rb: int | None = None, min_blocks: int = 0) -> Tensor:
     """The SM90 CuTe DSL kernels for MXFP4 experts in their MMA layout
     (``expert_mxfp4.mma_layout``: w13 [E, 2 I / 16, L / 64, 32, 16] uint8, ...): the pairs
     grouped by expert as ``grouped``, the up and down projections one warp per 16 weight
-    rows, then ``_combine_kernel``."""
+    rows, then ``_combine_kernel``. ``tiles``, ``warps``, ``rb``, ``min_blocks``: the
+    projections' choices (``expert_mxfp4.Mxfp4Experts``), for sweeps."""
     from . import expert_mxfp4 as MX
 
     T, top_k = topk_ids.shape
@@ -471,7 +472,7 @@ def mma_grouped(latent: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Ten
     for gate_up, x, w, s, out in ((True, latent, w13, w13_scale, h), (False, h, w2, w2_scale, y)):
         x32, w32, s32 = x.view(torch.int32), w.view(torch.int32), s.view(torch.int32).squeeze(-1)
         blocks = rb or MX.blocks_per_warp(tiles, w.shape[1])
-        MX.projection(gate_up, x32, w32, n_pairs, top_k, tiles, warps, beta, linear_beta, on, blocks)(
+        MX.projection(gate_up, x32, w32, n_pairs, top_k, tiles, warps, beta, linear_beta, on, blocks, min_blocks)(
             x32, w32, s32, slots, order, starts, counts, weights, out)
     out = torch.empty(T, L, dtype=torch.float32, device=latent.device)
     block = 512

@@ -239,12 +239,14 @@ if cutlass is not None:
         """One compiled projection: ``gate_up`` (h = SiTU(x W13^T), bf16 [P, I]) or down
         (y = bf16(h W2^T) times the pair's routing weight, fp32 [P, L]); ``tiles``: n8
         tiles of pairs per pass over the weight; ``warps`` per CTA, ``rb`` 16-row blocks
-        per warp."""
+        per warp; ``min_blocks``: CTAs an SM the registers must allow (the launch bound;
+        0: the compiler's choice, as measured; e.g. 4 takes the two-tile loop from 161
+        registers to 128 with no spills, session 25)."""
 
         def __init__(self, gate_up: bool, top_k: int, tiles: int, warps: int, beta: float, linear_beta: float,
-                     pdl: bool, rb: int = 1):
+                     pdl: bool, rb: int = 1, min_blocks: int = 0):
             self.gate_up, self.top_k, self.tiles, self.warps, self.pdl, self.rb = gate_up, top_k, tiles, warps, pdl, rb
-            self.beta, self.linear_beta = beta, linear_beta
+            self.beta, self.linear_beta, self.min_blocks = beta, linear_beta, min_blocks
 
         @cute.jit
         def __call__(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
@@ -255,9 +257,10 @@ if cutlass is not None:
             load_x = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=128,
                                          load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
             blocks = cute.size(codes, mode=[1])
+            bound = {"min_blocks_per_mp": self.min_blocks} if self.min_blocks else {}
             self.kernel(x, codes, scales, slots, order, starts, counts, weights, out, load_w, load_x).launch(
                 grid=[cute.size(slots), cute.ceil_div(blocks, self.warps * self.rb), 1], block=[self.warps * WARP, 1, 1],
-                stream=stream, use_pdl=self.pdl)
+                stream=stream, use_pdl=self.pdl, **bound)
 
         @cute.kernel
         def kernel(self, x: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor, slots: cute.Tensor,
@@ -403,11 +406,11 @@ def _fake(dtype, shape):
 
 def compile_projection(gate_up: bool, E: int, N: int, K: int, rows: int, pairs: int, top_k: int, tiles: int,
                        warps: int, beta: float, linear_beta: float, pdl: bool, x_stride: int | None = None,
-                       arch: str = "", rb: int = 1):
+                       arch: str = "", rb: int = 1, min_blocks: int = 0):
     """The executor of one projection (compiled against fake tensors, no GPU needed; launched
     on torch's current stream): N weight rows (2 I for gate_up), K; x [rows, K] bf16 with
     row stride ``x_stride`` (K when None); ``arch`` (e.g. ``sm_90a``) compiles for that target."""
-    kernel = Mxfp4Experts(gate_up, top_k, tiles, warps, beta, linear_beta, pdl, rb)
+    kernel = Mxfp4Experts(gate_up, top_k, tiles, warps, beta, linear_beta, pdl, rb, min_blocks)
     out = (_fake(BFloat16, (pairs, N // 2)) if gate_up else _fake(Float32, (pairs, N)))
     x = make_fake_tensor(Int32, (rows, K // 2), ((x_stride or K) // 2, 1), assumed_align=16)
     args = (x, _fake(Int32, (E, N // 16, K // CHUNK, WARP, 4)), _fake(Int32, (E, N // 16, K // BLOCK_K, WARP)),
@@ -447,16 +450,17 @@ _executors: dict[tuple, object] = {}
 
 
 def projection(gate_up: bool, x: Tensor, codes: Tensor, pairs: int, top_k: int, tiles: int, warps: int,
-               beta: float, linear_beta: float, pdl: bool, rb: int = 1):
+               beta: float, linear_beta: float, pdl: bool, rb: int = 1, min_blocks: int = 0):
     """The compiled kernel for these shapes (compiled on first use, outside CUDA-graph
     capture); x: the activations' int32 view [rows, K / 2]."""
     E, NB, KC = codes.shape[:3]
     key = (gate_up, E, NB, KC, x.shape[0], x.stride(0), pairs, top_k, tiles, warps, beta, linear_beta, pdl,
-           x.device.index, rb)
+           x.device.index, rb, min_blocks)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.expert_ffn: no SM90 MXFP4 executor for {key} during CUDA-graph "
                                "capture; warm up the step before capturing it")
         _executors[key] = compile_projection(gate_up, E, 16 * NB, CHUNK * KC, x.shape[0], pairs, top_k, tiles,
-                                             warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0), rb=rb)
+                                             warps, beta, linear_beta, pdl, x_stride=2 * x.stride(0), rb=rb,
+                                             min_blocks=min_blocks)
     return _executors[key]
