@@ -11,6 +11,7 @@ MXFP4 codes and scales in the kernel's layout, each point in a CUDA graph:
 At EP 8 shapes (112 local experts) and EP 1 (896), 1 / 8 / 32 / 64 rows, top-16.
 
     python benchmarks/expert_mxfp4_sweep.py --json X [--experts 112 896] [--rows 1 8 32 64] [--min-blocks 4]
+        [--default-only]
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def parts_us(lat, w, ids, c13, t13, c2, t2) -> dict[str, float]:
     return out
 
 
-def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, min_blocks: list[int]) -> None:
+def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, min_blocks: list[int],
+          grid: bool = True) -> None:
     c13, t13, c2, t2 = experts(E)
     for rows in rows_list:
         ids, w = routing(rows, E, TOP_K, gen, "cuda")
@@ -79,7 +81,7 @@ def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, min_
         def op(**kw):
             return X.mma_grouped(lat, w, ids, c13, c2, 4.0, 25.0, t13, t2, **kw)
         base = op(tiles=1, rb=1)
-        for tiles in (1, 2, 4) if rows > 1 else (1,):
+        for tiles in ((1, 2, 4) if rows > 1 else (1,)) if grid else ():
             for rb in (1, 2):
                 for warps in (2, 4, 8):
                     key = f"t{tiles}_rb{rb}_w{warps}"
@@ -91,7 +93,8 @@ def sweep(E: int, rows_list: list[int], gen: torch.Generator, res: Results, min_
             row[f"default_mb{mb}_equal"] = bool(torch.equal(op(min_blocks=mb), base))
             row[f"default_mb{mb}_us"] = graph_time_us(lambda i: op(min_blocks=mb), calls=10, replays=7)
             row["default_again_us"] = graph_time_us(lambda i: op(), calls=10, replays=7)
-        row.update(parts_us(lat, w, ids, c13, t13, c2, t2))
+        if grid:
+            row.update(parts_us(lat, w, ids, c13, t13, c2, t2))
         res.add(**row)
 
 
@@ -101,12 +104,14 @@ def main(argv=None) -> Results:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--min-blocks", type=int, nargs="*", default=[],
                    help="also time the default choice with these launch bounds (CTAs an SM)")
+    p.add_argument("--default-only", action="store_true",
+                   help="time only the default choice (and its --min-blocks bounds): no variant grid, no parts")
     p.add_argument("--json")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     res = Results("expert_mxfp4_sweep")
     for E in args.experts:
-        sweep(E, args.rows, gen, res, args.min_blocks)
+        sweep(E, args.rows, gen, res, args.min_blocks, grid=not args.default_only)
         torch.cuda.empty_cache()
     if args.json:
         res.dump(args.json)
