@@ -301,3 +301,70 @@ def test_mla_merge_moves_into_the_gated_v_up_projection(monkeypatch, merge_into_
     assert folded or any("merge apart from the v up-projection: 2 rows: taken up to 1" in s for s in info.skipped)
     monkeypatch.setattr(mla_kernel, "MERGE_INTO_UP", 0)
     assert torch.equal(compile_tiny("tiny", q=1, requests=2, padding=0)[1], out)
+
+
+def kda_layer_at_tp8(rows: int):
+    """One KDA layer at TP8 per-rank shapes (12 heads x 128, hidden 7168) with random
+    weights and states, and a step of ``rows`` one-token requests (the last a padding one)."""
+    from kimi_inductor.stock import DecodeStep, KimiK3Config, Parallel
+    from kimi_inductor.stock.kda import KimiDeltaAttention
+
+    base = KimiK3Config.preset("kimi-k3")
+    config = base.replace(hidden_size=7168, linear_attn_config=dict(base.linear_attn_config, num_heads=12,
+                                                                    head_dim=128))
+    layer = KimiDeltaAttention(config, Parallel(), device="cpu")
+    g = torch.Generator().manual_seed(rows)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = p.shape[1] ** -0.5 if p.dim() == 2 else 0.5
+            p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
+        layer.A_log.copy_(torch.log(torch.rand(layer.A_log.shape, generator=g) * 15 + 1))
+    (conv_shape, _), (rec_shape, _) = KimiDeltaAttention.cache_shapes(config, Parallel(), 1 + rows, 1, torch.bfloat16)
+    states = ((0.5 * torch.randn(conv_shape, generator=g)).to(torch.bfloat16),
+              0.1 * torch.randn(rec_shape, generator=g))
+    x = torch.randn(rows, 7168, generator=g).to(torch.bfloat16)
+    slots = (1 + torch.arange(rows, dtype=torch.int32)).view(rows, 1)
+    slots[-1] = 0
+    accepted = torch.ones(rows, dtype=torch.int32)
+    step = DecodeStep(input_ids=x, state_slots=slots, num_accepted=accepted, slot_mapping=x, block_table=slots,
+                      seq_lens=accepted, is_padding=x)
+    return layer, x, step, states
+
+
+@pytest.mark.skipif(bool(__import__("kimi_inductor.kernels", fromlist=["skinny_gemm"]).skinny_gemm.cute_available()),
+                    reason="the overlap needs the CuTe GEMV on the in-projection (the cute extra)")
+def test_kda_in_projection_joins_its_decode_where_measured_faster(monkeypatch):
+    """A KDA layer fragment at TP8 shapes lowered: at one row (the CuTe GEMV's, measured
+    faster) the in-projection, its column split and the fused KDA become one
+    ``kda_decode_projected`` with the same state bases, bitwise the pair on CPU (output and
+    states); with the rows not measured, or at 4 rows (the Triton GEMM's), the pair stays
+    and the report says why."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+
+    from kimi_inductor.backend import KimiSpecialized
+    from kimi_inductor.kernels import kda_projected
+
+    kk = torch.ops.kimi_kernels
+
+    def run(rows, faster):
+        monkeypatch.setattr(kda_projected, "FASTER_ROWS", faster)
+        layer, x, step, states = kda_layer_at_tp8(rows)
+        ops = {}
+        backend = KimiSpecialized({"passes": ["lower_kernels"], "compiler": "eager"}, observer=lambda stage, gm: ops.update(
+            {stage: [n.args[0] if n.target is auto_functionalized_v2 else n.target for n in gm.graph.nodes]}))
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(layer, backend=backend, dynamic=False)(x, step, states)
+        info = next(p for p in backend.report.passes if p.name == "lower_kernels")
+        return out, states, info, ops["after lower_kernels"]
+
+    out, states, info, ops = run(1, {1: True})
+    assert kk.kda_decode_projected.default in ops and kk.kda_decode.default not in ops
+    assert ops.count(kk.skinny_mm.default) == 1  # o_proj
+    pair, pair_states, pair_info, pair_ops = run(1, {})
+    assert kk.kda_decode.default in pair_ops and pair_ops.count(kk.skinny_mm.default) == 2
+    assert any("KDA in-projection apart from its decode: 1 rows: not measured" in s for s in pair_info.skipped)
+    assert torch.equal(out, pair) and all(torch.equal(a, b) for a, b in zip(states, pair_states))
+    _, _, info, ops = run(4, {1: True, 4: True})
+    assert kk.kda_decode_projected.default not in ops
+    assert any("KDA in-projection apart from its decode: the in-projection runs on tl_dot" in s for s in info.skipped)
