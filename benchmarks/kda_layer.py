@@ -10,12 +10,10 @@ vLLM's decode core (``kda_kernel.vllm_core``: f_b GEMM, its Triton conv update, 
 recurrent decode, gated norm) and cuBLAS o_proj. ``--vllm-native SO`` (vLLM 0.33.0's
 ``_C_stable_libtorch.abi3.so``, stable ABI: it loads on the GPU image's torch) adds the
 chain vLLM runs on SM90 at 12 heads with its CUDA build: the same with its native
-``_C::fused_kda_decode`` as the core (``kda_kernel.vllm_native``). ``--projected`` adds
-our ops called directly (``ops_chain``): the in-projection GEMM then ``kda_decode``, and
-``kda_decode_projected`` (the two overlapped).
+``_C::fused_kda_decode`` as the core (``kda_kernel.vllm_native``).
 
     python benchmarks/kda_layer.py --json kda.json [--rows 1 8 32 64] [--q 1 4] [--vllm ROOT] [--vllm-native SO]
-        [--projected] [--profile]
+        [--profile]
     python benchmarks/kda_layer.py --smoke          # CPU, tiny shapes: checks the script runs
 """
 
@@ -87,36 +85,6 @@ def vllm_chain(core, layer: KimiDeltaAttention):
     return step
 
 
-def ops_chain(layer: KimiDeltaAttention, projected: bool):
-    """(params, x, slots, conv, rec) -> the o_proj partial through our ops called directly,
-    q = 1: the in-projection GEMM and ``kda_decode`` (what ``lower_kernels`` runs, without
-    Inductor's glue), or the two as ``kda_decode_projected`` (the GEMV deferring g2's
-    columns, the KDA kernel beside them); o_proj on ``skinny_mm``."""
-    P, D, H = layer.local_size, layer.head_dim, layer.local_heads
-    columns = [0, 3 * P, 4 * P, 4 * P + D]
-    kk = torch.ops.kimi_kernels
-    ones = {}  # requests -> num_accepted, allocated at the first (uncaptured) call
-
-    def step(params, x, slots, conv, rec, extra=None):
-        R = slots.shape[0]
-        if R not in ones:
-            ones[R] = torch.ones(R, dtype=torch.int32, device=x.device)
-        accepted = ones[R]
-        weights = dict(f_b_weight=params["f_b_proj.weight"], conv_weight=params["conv1d.weight"],
-                       A_log=params["A_log"], dt_bias=params["dt_bias"], norm_weight=params["o_norm.weight"],
-                       conv_state=conv, recurrent_state=rec, state_slots=slots, num_accepted=accepted,
-                       lower_bound=layer.lower_bound, norm_eps=layer.eps)
-        if projected:
-            o = kk.kda_decode_projected(x, params["in_proj_qkvgfab.weight"], columns, **weights)
-        else:
-            y = kk.skinny_mm(x, params["in_proj_qkvgfab.weight"], None, x.dtype)
-            o = kk.kda_decode(y[:, :3 * P], y[:, 4 * P:4 * P + D], g2=y[:, 3 * P:4 * P],
-                              beta=y[:, 4 * P + D:4 * P + D + H], **weights)
-        return kk.skinny_mm(o, params["o_proj.weight"], None, x.dtype)
-
-    return step
-
-
 def main(argv=None) -> Results:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -128,9 +96,6 @@ def main(argv=None) -> Results:
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels of each side per row count (take it with KIMI_INDUCTOR_PDL=0: "
                         "an early-launched kernel's wait counts in its duration)")
-    p.add_argument("--projected", action="store_true",
-                   help="also time our ops called directly (q = 1): in-projection GEMM + kda_decode, and the two "
-                        "overlapped as kda_decode_projected")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -145,9 +110,6 @@ def main(argv=None) -> Results:
         torch.ops.load_library(args.vllm_native)
         chains["vllm_native"] = vllm_chain(vllm_native, layer), [
             vllm_native_weights(c["conv1d.weight"], c["o_norm.weight"]) for c in copies]
-    if args.projected:
-        chains["ops"] = ops_chain(layer, projected=False), [None] * len(copies)
-        chains["projected"] = ops_chain(layer, projected=True), [None] * len(copies)
     weight_bytes = sum(t.numel() * t.element_size() for t in copies[0].values())
 
     def step(params, x, slots, accepted, conv, rec):

@@ -8,8 +8,8 @@ the Hugging Face ``kernels`` package); registering again from there would replac
 ops and invalidate every ``torch.ops.kimi_kernels`` object the passes hold."""
 
 if __name__ == "kimi_inductor.kernels":
-    from . import (attn_res, dsa_index, expert_ffn, kda_decode, kda_projected, mega_moe, mla_decode, moe_projections,
-                   moe_router, skinny_gemm)
+    from . import (attn_res, dsa_index, expert_ffn, kda_decode, mega_moe, mla_decode, moe_projections, moe_router,
+                   skinny_gemm)
 
-    __all__ = ["attn_res", "dsa_index", "expert_ffn", "kda_decode", "kda_projected", "mega_moe", "mla_decode",
-               "moe_projections", "moe_router", "skinny_gemm"]
+    __all__ = ["attn_res", "dsa_index", "expert_ffn", "kda_decode", "mega_moe", "mla_decode", "moe_projections",
+               "moe_router", "skinny_gemm"]

@@ -63,9 +63,6 @@ from kimi_inductor.stock.state import check_q
 from .common import INTERPRET, arrival_counters, bf16_round, pdl, pdl_release, pdl_wait, SMS, tl, triton
 
 NAMESPACE = "kimi_kernels"
-# with the gate left to the gated GEMV (``launch``'s gate_counter): release it at the start
-# rather than after this kernel's loads (an experiment's switch)
-LATE_RELEASE_AT_START = False
 
 
 def supported(conv_width: int, head_dim: int) -> str:
@@ -86,13 +83,12 @@ if triton is not None:
         qkv_ptr, stride_qkv, fa_ptr, stride_fa, fbw_ptr, g2_ptr, stride_g2, beta_ptr, stride_beta,
         convw_ptr, stride_cw_j, stride_cw_p, stride_cw_t, alog_ptr, dtb_ptr, normw_ptr,
         conv_ptr, stride_conv_s, stride_conv_r, rec_ptr, stride_rec_s, slots_ptr, acc_ptr, out_ptr, stride_out, ws_ptr,
-        cnt_ptr, done_ptr,
+        cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr, LATE_GATE: tl.constexpr = False,
-        EARLY: tl.constexpr = False,
+        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
     ):
-        pdl_wait(PDL, RELEASE=EARLY)  # else released below, after the loads
+        pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         r = tl.program_id(0)
         h = tl.program_id(1)
         BV: tl.constexpr = D // NV
@@ -154,8 +150,7 @@ if triton is not None:
         # overwrites them (a token's state may land in the slot it started from, and
         # the new conv rows overlap the window; elements can be replicated across threads).
         tl.debug_barrier()
-        if not EARLY:
-            pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's first loads are out
+        pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's first loads are out
 
         # the new conv state: the window's last two saved inputs, then the q tokens' own;
         # with a V split the q/k channels (read by every program of the head) are written
@@ -210,8 +205,7 @@ if triton is not None:
                 slot_t = tl.maximum(slot_t, 0).to(tl.int64)
                 tl.store(rec_ptr + slot_t * stride_rec_s + head + v[:, None] * D + d[None, :], S, mask=keep)
                 if NV == 1 and NC == 1:
-                    _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND,
-                                LATE_GATE)
+                    _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
                 else:
                     tl.store(ws_ptr + (row * H + h) * D + v, o)
             if NC > 1:
@@ -226,25 +220,10 @@ if triton is not None:
                 tl.store(cnt_ptr + r * H + h, 0)
                 _store_qk_window(conv_out, stride_conv_r, cq, ck, q1, q2, k1, k2, xq, xk, qkv_ptr, stride_qkv, r, Q,
                                  live)
-                _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND,
-                           LATE_GATE)
-                _head_done(done_ptr, LATE_GATE)
+                _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
         elif NC > 1:
             tl.debug_barrier()  # every chunk's o rows are out
-            _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND,
-                       LATE_GATE)
-            _head_done(done_ptr, LATE_GATE)
-        else:
-            _head_done(done_ptr, LATE_GATE)
-
-    @triton.jit
-    def _head_done(done_ptr, LATE_GATE: tl.constexpr):
-        """With the gate applied later (``launch``'s ``gate_counter``): this program's z rows
-        of its request and head are out; arrive at the counter the gated GEMV waits on (a
-        release)."""
-        if LATE_GATE:
-            tl.debug_barrier()
-            tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+            _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H, D, Q, ROUND)
 
     @triton.jit
     def _qk_gate(xq, xk, q0, q1, q2, k0, k1, k2, wq0, wq1, wq2, wq3, wk0, wk1, wk2, wk3, g1_all, tq, t, a_h, dtb,
@@ -277,12 +256,12 @@ if triton is not None:
 
     @triton.jit
     def _normalise(ws_ptr, r, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, H: tl.constexpr,
-                   D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, LATE_GATE: tl.constexpr):
+                   D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr):
         """Every token's head output from its pre-norm o rows in the workspace."""
         for t in tl.range(0, Q, loop_unroll_factor=1):
             row = r * Q + t
             o = tl.load(ws_ptr + (row * H + h) * D + d, cache_modifier=".cg")
-            _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND, LATE_GATE)
+            _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D, ROUND)
 
     @triton.jit
     def _store_conv_rows(conv_out, i, stride_conv_r, cq, ck, xq, xk, live):
@@ -292,15 +271,11 @@ if triton is not None:
 
     @triton.jit
     def _gated_norm(o, row, h, d, g2_ptr, stride_g2, norm_w, out_ptr, stride_out, live, eps, D: tl.constexpr,
-                    ROUND: tl.constexpr, LATE_GATE: tl.constexpr = False):
-        """One token's head output: RMSNorm(o) * w * sigmoid(g2), rounded to bf16 (zeros for
-        padding); with LATE_GATE RMSNorm(o) * w in fp32 (z: the gated GEMV applies the gate)."""
-        y = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * norm_w
-        if LATE_GATE:
-            y = tl.where(live, y, 0.0)
-        else:
-            g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d).to(tl.float32)
-            y = tl.where(live, bf16_round(y * tl.sigmoid(g2), ROUND), 0.0)
+                    ROUND: tl.constexpr):
+        """One token's head output: RMSNorm(o) * w * sigmoid(g2), rounded to bf16 (zeros for padding)."""
+        g2 = tl.load(g2_ptr + row * stride_g2 + h * D + d).to(tl.float32)
+        y = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * norm_w * tl.sigmoid(g2)
+        y = tl.where(live, bf16_round(y, ROUND), 0.0)
         tl.store(out_ptr + row * stride_out + h * D + d, y.to(out_ptr.dtype.element_ty))
 
 
@@ -318,35 +293,24 @@ def kda_decode(
     state_slots: Tensor, num_accepted: Tensor, lower_bound: float, norm_eps: float,
 ) -> Tensor:
     check_q(state_slots.shape[1], "kimi_kernels::kda_decode")  # the kernel pads the q tokens' gate rows to 16
-    use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(conv_weight.shape[-1], recurrent_state.shape[-1])
+    H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
+    use_triton = (mixed_qkv.is_cuda or INTERPRET) and not supported(
+        conv_weight.shape[-1], D)
     if not use_triton:
         return reference(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight,
                          conv_state, recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
-    return launch(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-                  recurrent_state, state_slots, num_accepted, lower_bound, norm_eps)
-
-
-def launch(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-           recurrent_state, state_slots, num_accepted, lower_bound, norm_eps,
-           gate_counter: Tensor | None = None) -> Tensor:
-    """The Triton kernel on the op's arguments. With ``gate_counter`` (int32): the output
-    gate is left to the kernel after it (``kda_decode_projected``'s gated GEMV; g2 is not
-    read): returns z = RMSNorm(o) * w [T, P] fp32, and each (request, head) arrives at the
-    counter once its z rows are written."""
     R, Q = state_slots.shape
-    H, D = recurrent_state.shape[1], recurrent_state.shape[-1]
     assert recurrent_state[0].is_contiguous() and conv_state.stride(2) == 1
     mixed_qkv, f_a, g2, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed_qkv, f_a, g2, beta))
     f_b_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (f_b_weight, A_log, dt_bias, norm_weight))
-    out = torch.empty(g2.shape, dtype=g2.dtype if gate_counter is None else torch.float32, device=g2.device)
+    out = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
     nv, bc = v_split(R, H, D, Q)
     _kda_decode_kernel[(R, H, nv)](*kernel_args(
         mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
-        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc, gate_counter),
+        recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, BC=bc, LATE_GATE=gate_counter is not None, EARLY=gate_counter is not None and LATE_RELEASE_AT_START, num_warps=4,
-        **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, BC=bc, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
@@ -408,10 +372,10 @@ def v_split(R: int, H: int, D: int, Q: int = 1) -> tuple[int, int]:
 
 def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bias, norm_weight, conv_state,
                 recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv: int = 1,
-                bc: int = 0, gate_counter: Tensor | None = None) -> tuple:
+                bc: int = 0) -> tuple:
     """The Triton kernel's positional arguments (strides, and with ``nv`` > 1 or ``bc``
     rows of a block at a time the pre-norm workspace, with ``nv`` > 1 the arrival
-    counters, and ``gate_counter`` (``launch``), included)."""
+    counters, included)."""
     R, H, D = state_slots.shape[0], recurrent_state.shape[1], recurrent_state.shape[-1]
     ws = torch.empty(out.shape[0], H, D, dtype=torch.float32, device=out.device) \
         if nv > 1 or 0 < bc < D // nv else out
@@ -420,7 +384,7 @@ def kernel_args(mixed_qkv, f_a, f_b_weight, g2, beta, conv_weight, A_log, dt_bia
     return (mixed_qkv, mixed_qkv.stride(0), f_a, f_a.stride(0), f_b_weight, g2, g2.stride(0), beta, beta.stride(0),
             cw, *cw.stride(), A_log, dt_bias, norm_weight, conv_state, conv_state.stride(0), conv_state.stride(1),
             recurrent_state, recurrent_state.stride(0), state_slots, num_accepted, out, out.stride(0), ws, cnt,
-            cnt if gate_counter is None else gate_counter, lower_bound, norm_eps)
+            lower_bound, norm_eps)
 
 
 kda_decode.register_fake(_fake)

@@ -13,8 +13,6 @@ Matches and produces (M = rows, at most 64):
         read by it alone                              merge inside the v up-projection, where measured faster)
     g1 = <any of the above>(f_a, W_fb)
     kimi.kda_decode(mixed_qkv, g1, ...)             kimi_kernels.kda_decode(mixed_qkv, f_a, W_fb, ...)
-      with its inputs column pieces of one          kimi_kernels.kda_decode_projected(x, W_in, ...)
-        skinny_mm(x, W_in) read by it alone           where measured faster (passes/kda_projected.py)
     kimi.mla_decode(ql_nope, q_pe, ...)             kimi_kernels.mla_decode(ql_nope, q_pe, ...)
       with kv_c = rms_norm(x, w, eps) read by it    kimi_kernels.mla_decode(..., x, ..., kv_norm_weight=w, eps)
     vLLM's KDA group: its Triton chain, or its      kimi_kernels.kda_decode_paged(...) on its page
@@ -68,7 +66,7 @@ from kimi_inductor.kernels import kda_decode as kda_kernel
 from kimi_inductor.kernels import mla_decode as mla_kernel
 from kimi_inductor.kernels import skinny_gemm
 
-from . import kda_projected, moe_projections, moe_router, roles, vllm_kda, vllm_mla
+from . import moe_projections, moe_router, roles, vllm_kda, vllm_mla
 from .decoder import _between
 from .gemm_neighbours import gated_heads_of, match_gemm, mla_output_of, rms_norm_of, situ_of
 from .graph import OpCall, TritonCall, op_name
@@ -242,18 +240,6 @@ class LowerKernels:
                 g.erase_node(node)
                 per_node[new] = "norm_gemm" if norm else "gemm"
             info.rewritten += 1
-        for kda in [n for n in g.nodes if n.target is auto_functionalized_v2 and n.args[0] is kk.kda_decode.default]:
-            bound = kda_projected.bind(kda)  # the in-projection's GEMV beside the recurrence
-            if isinstance(bound, str):
-                kept[f"KDA in-projection apart from its decode: {bound}"] += 1
-                continue
-            info.matched += 1
-            per_node.pop(bound.gemm, None)
-            per_node.pop(kda, None)
-            new = kda_projected.lower(g, kda, bound)
-            dg.replaced(kda, new)
-            per_node[new] = "kda_projected"
-            info.rewritten += 1
         gated = {m[0]: (n, m[1]) for n in g.nodes if (m := gated_heads_of(n)) is not None}  # bmm -> its gate
         for node in [n for n in g.nodes if n.target is aten.bmm.default]:  # MLA's per-head GEMMs
             x, w = node.args
@@ -399,7 +385,7 @@ def _annotate(ctx, per_node: dict[fx.Node, str]) -> None:
                  + (f"; AttnRes: fused x{res}" if res else ""), rewritten=bool(attn or mlp or res))
 
 
-LABELS = {"kda": "fused KDA", "kda_projected": "in-projection + fused KDA (overlapped)", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
+LABELS = {"kda": "fused KDA", "mla": "MLA core", "dsa": "DSA core", "gemm": "skinny GEMM", "bmm": "per-head GEMM",
           "norm_gemm": "RMSNorm + GEMM", "gemm_situ": "GEMM + SiTU", "bmm_gate": "per-head GEMM + gate",
           "mla_gate": "MLA core + v up-projection + gate",
           "moe_in": "router + latent down + shared gate/up SiTU (one launch)",

@@ -71,40 +71,10 @@ DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: Float32, torch.int32:
 
 class Fusion(NamedTuple):
     """What the GEMV fuses: a RMSNorm prologue (``eps``), a SiTU-GLU epilogue (``situ`` =
-    (beta, linear beta)), an output-gate epilogue (``gate_after``), or none. Constants of
-    the compiled kernel.
-
-    ``gate_after`` = A: ``out = z * sigmoid(x W^T)`` (the product rounded to bf16 first, as
-    stock's GEMM output; the gate in fp32, one rounding) with z [M, N] fp32 written by a
-    kernel that runs beside this one (the KDA kernel's normalised heads,
-    ``kimi_kernels::kda_decode_projected``). The GEMV does not wait for the kernels before
-    it (PDL: it reads only x and W, written two launches back); after its K loop each CTA
-    waits until ``counters[0]`` (that kernel's arrivals) reaches A, reads z, and arrives
-    at ``counters[GATE_ARRIVALS]``; the last CTA resets both for the next call."""
+    (beta, linear beta)), or neither. Constants of the compiled kernel."""
 
     eps: float | None = None
     situ: tuple[float, float] | None = None
-    gate_after: int | None = None
-
-
-GATE_ARRIVALS = 32  # int32 offset of the gated GEMV's own arrivals: 128 bytes past the producer's
-
-
-class Skip(NamedTuple):
-    """Output tiles [t0, t1) of T left out of a split-free GEMV (another launch computes
-    them: the KDA in-projection's output gate, ``kda_decode_projected``): the grid is the
-    T - (t1 - t0) other tiles, CTA b takes the b-th of them."""
-
-    t0: int
-    t1: int
-    tiles: int
-
-    @cute.jit
-    def tile(self, b: Int32):
-        t = b
-        if b >= self.t0:
-            t = b + (self.t1 - self.t0)
-        return t
 
 
 PLAIN = Fusion()
@@ -220,10 +190,8 @@ class SplitKGemv:
     """One compiled configuration: rows M, outputs per warp R, warps per CTA, split, unroll."""
 
     def __init__(self, rows: int, r: int, warps: int, split: int, unroll: int, has_acc: bool, in_dtype, out_dtype,
-                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0,
-                 skip: Skip | None = None):
+                 fusion: Fusion = PLAIN, k: int = 0, half: int = 0, pdl: bool = False, preload: int = 0):
         self.rows, self.r, self.warps, self.split, self.unroll, self.pdl = rows, r, warps, split, unroll, pdl
-        self.skip, self.gate_after = skip, fusion.gate_after
         self.preload = min(preload, k // (STEP * split)) if pdl else 0  # warp steps of W read before the wait
         self.has_acc, self.in_dtype, self.out_dtype = has_acc, in_dtype, out_dtype
         self.norm, self.situ = fusion.eps is not None, fusion.situ is not None
@@ -239,10 +207,8 @@ class SplitKGemv:
         n = cute.size(out, mode=[1])
         k = cute.size(w, mode=[1])
         load_w, load_x = _loads(self.in_dtype)
-        tiles = cute.ceil_div(n, self.tile) if const_expr(self.skip is None) else self.skip.tiles - (
-            self.skip.t1 - self.skip.t0)
         self.kernel(x, w, gamma, acc, out, ws, counters, n, k, load_w, load_x).launch(
-            grid=[tiles, self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream,
+            grid=[cute.ceil_div(n, self.tile), self.split, 1], block=[self.warps * WARP, 1, 1], stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
@@ -252,17 +218,15 @@ class SplitKGemv:
         """n: outputs (weight rows, or their halves with SiTU); ws [SPLIT, M, weight rows (+ 1
         with RMSNorm: the chunk's sum of x^2)]."""
         bx, s, _ = cute.arch.block_idx()
-        if const_expr(self.skip is not None):
-            bx = self.skip.tile(bx)
         # W does not depend on the kernels before this one: its first warp steps are read
         # before the PDL wait, overlapping their tail (``preload``)
         n0 = bx * self.tile + cute.arch.warp_idx() * self.r
         half = self.half if const_expr(self.half and self.split == 1) else n  # as tile_of / split_tile read W
         kv0 = s * (k // (STEP * self.split)) * WARP + cute.arch.lane_idx()
         ahead = self.read_ahead(w, n0, n, half, kv0, load_w)
-        pdl_wait(self.pdl and self.gate_after is None)  # gated: reads only x and W (``Fusion``)
+        pdl_wait(self.pdl)
         if const_expr(self.split == 1):
-            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x, ahead, ws, counters)
+            self.tile_of(x, w, gamma, acc, out, bx, load_w, load_x, ahead)
         else:
             flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
             self.split_tile(x, w, gamma, acc, out, ws, counters, bx, s, flag, load_w, load_x, ahead)
@@ -392,12 +356,10 @@ class SplitKGemv:
 
     @cute.jit
     def tile_of(self, x: cute.Tensor, w: cute.Tensor, gamma: cute.Tensor, acc: cute.Tensor, out: cute.Tensor,
-                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None,
-                z: cute.Tensor | None = None, counters: cute.Tensor | None = None):
+                bx: Int32, load_w: cute.CopyAtom, load_x: cute.CopyAtom, ahead: cute.Tensor | None = None):
         """CTA ``bx``'s outputs over all of K (no split): out[:, bx TILE .. (bx + 1) TILE).
         With SiTU the up rows start ``self.half`` rows after the gate rows (0: after all n
-        gate rows, the [gate; up] weight). Gated (``Fusion.gate_after``): z [1, M, N] fp32
-        and the counters."""
+        gate rows, the [gate; up] weight)."""
         n = cute.size(out, mode=[1])
         lane = cute.arch.lane_idx()
         n0 = bx * self.tile + cute.arch.warp_idx() * self.r
@@ -405,30 +367,16 @@ class SplitKGemv:
         if n0 < n:
             self.dot(x, w, gamma, n0, self.half if self.half else n, lane, cute.size(w, mode=[1]) // STEP, load_w,
                      load_x, part, sq, ahead)
-        if const_expr(self.gate_after is not None):
-            flag = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-            await_count(counters, 0, self.gate_after)
-        if n0 < n:
             for m in cutlass.range_constexpr(self.rows):
                 for j in cutlass.range_constexpr(self.r):
                     if lane == m * self.r + j:
                         up = part[m, self.r + j] if const_expr(self.situ) else part[m, j]
-                        if const_expr(self.gate_after is not None):
-                            up = z[0, m, n0 + j]
                         out[m, n0 + j] = self.finish(part[m, j], up, sq[m], acc, m, n0 + j)
-        if const_expr(self.gate_after is not None):
-            if arrived_last(counters, GATE_ARRIVALS, cute.arch.grid_dim()[0], flag):
-                tidx, _, _ = cute.arch.thread_idx()
-                if tidx == 0:
-                    counters[0] = Int32(0)
 
     @cute.jit
     def finish(self, total: Float32, up: Float32, ss: Float32, acc: cute.Tensor, m: Int32, nn: Int32):
         """One output from its dot product(s): SiTU of (gate, up) at stock's rounding points,
-        the RMSNorm row scale or the output gate of ``up`` = z, then the accumulator;
-        rounded once to the output dtype."""
-        if const_expr(self.gate_after is not None):
-            total = up * _sigmoid(total.to(self.in_dtype).to(Float32))
+        or the RMSNorm row scale, then the accumulator; rounded once to the output dtype."""
         if const_expr(self.situ):
             g = total.to(self.in_dtype).to(Float32)
             u = up.to(self.in_dtype).to(Float32)
@@ -630,19 +578,6 @@ def pdl_wait(pdl: cutlass.Constexpr):
 
 
 @cute.jit
-def await_count(counters: cute.Tensor, i: int, count: int):
-    """Wait until ``counters[i]`` reaches ``count`` (thread 0 spins, then the CTA acquires:
-    what the arrivals released is visible to every thread after it)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    if tidx == 0:
-        seen = cute.arch.atomic_add((counters.iterator + i).llvm_ptr, Int32(0), sem="acquire", scope="gpu")
-        while seen < count:
-            seen = cute.arch.atomic_add((counters.iterator + i).llvm_ptr, Int32(0), sem="acquire", scope="gpu")
-    cute.arch.sync_threads()
-    cute.arch.fence_acq_rel_gpu()
-
-
-@cute.jit
 def arrived_last(counters: cute.Tensor, i: Int32, count: Int32, flag: cute.Tensor):
     """Whether this CTA is the last of ``count`` to arrive at ``counters[i]`` (then the
     others' writes before their arrival are visible to it); the last resets the counter
@@ -736,23 +671,21 @@ def _fake(dtype, shape):
 
 
 def compile_gemv(M: int, N: int, K: int, has_acc: bool, out_dtype: torch.dtype, cfg: Config, arch: str = "",
-                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0,
-                 skip: Skip | None = None):
+                 fusion: Fusion = PLAIN, pdl: bool = False, x_stride: int | None = None, preload: int = 0):
     """The executor for one shape (compiled against fake tensors: no GPU or data needed;
     called with torch tensors, it launches on torch's current stream, CUDA graphs included);
     ``arch`` (e.g. ``sm_90a``) compiles for that target instead of the current GPU.
     N: the weight's rows; ``pdl``: launched with programmatic dependent launch;
     ``x_stride``: x's row stride (``row_stride``), K when omitted; ``preload``: warp steps
-    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps);
-    ``skip``: output tiles left out (``Skip``)."""
+    of W each warp reads before its PDL wait (with ``pdl``; at most its chunk's steps)."""
     kernel = SplitKGemv(M, cfg.r, cfg.warps, cfg.split, cfg.unroll, has_acc, cutlass.BFloat16, DTYPES[out_dtype],
-                        fusion, K, pdl=pdl, preload=preload, skip=skip)
+                        fusion, K, pdl=pdl, preload=preload)
     n_out = N // 2 if fusion.situ else N
     x = make_fake_tensor(cutlass.BFloat16, (M, K), (x_stride or K, 1), assumed_align=16)
     args = (x, _fake(torch.bfloat16, (N, K)), _fake(torch.bfloat16, (1, K)),
             _fake(out_dtype, (M, n_out)), _fake(out_dtype, (M, n_out)),
             _fake(torch.float32, (cfg.split, M, N + (fusion.eps is not None))),
-            _fake(torch.int32, (GATE_ARRIVALS + 1 if fusion.gate_after else tiles(n_out, cfg),)),
+            _fake(torch.int32, (tiles(n_out, cfg),)),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # launches on torch's current stream
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *args, options=options)
@@ -784,25 +717,11 @@ def tiles(N: int, cfg: Config) -> int:
     return -(-N // (cfg.warps * cfg.r))
 
 
-def skip_tiles(M: int, N: int, K: int, lo: int, hi: int) -> Skip | str:
-    """``Skip`` of outputs [lo, hi) of the plain GEMV at this shape, or why it cannot."""
-    cfg = config(M, N, K)
-    tile = cfg.warps * cfg.r
-    why = supported(M, N, K, cfg) or (cfg.split > 1 and f"K split {cfg.split} ways (skipping needs whole-K tiles)")
-    if not why and (lo % tile or hi % tile or not 0 <= lo < hi <= N):
-        why = f"outputs [{lo}, {hi}) are not whole {tile}-output tiles inside [0, {N})"
-    return why or Skip(lo // tile, hi // tile, tiles(N, cfg))
-
-
 _executors: dict[tuple, tuple[object, torch.Tensor]] = {}  # key -> (executor, its tiles' arrival counters)
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dtype: torch.dtype,
-        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None,
-        skip: Skip | None = None, z: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """out [M, N out] (with ``skip``: its skipped tiles' columns unwritten). With
-    ``fusion.gate_after``: z [M, N] fp32 and ``counters`` (``GATE_ARRIVALS`` + 1 int32,
-    zero between calls; its producer arrives at counters[0])."""
+        cfg: Config | None = None, fusion: Fusion = PLAIN, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
     n_out = N // 2 if fusion.situ else N
@@ -812,19 +731,17 @@ def run(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None, out_dty
     if stride is None:  # a fresh compact copy (``contiguous`` keeps a misaligned one-row view)
         x, stride = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x), K
     ahead = preload_steps() if on else 0
-    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, skip, x.device.index)
+    key = (M, N, K, acc is not None, out_dtype, cfg, fusion, on, stride, ahead, x.device.index)
     if key not in _executors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kimi_kernels.skinny_mm: no CuTe executor for {key} during CUDA-graph capture; "
                                "warm up the step before capturing it")
-        own = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
+        counters = torch.zeros(tiles(n_out, cfg), dtype=torch.int32, device=x.device)  # reset by each last CTA
         _executors[key] = compile_gemv(M, N, K, acc is not None, out_dtype, cfg, fusion=fusion, pdl=on,
-                                       x_stride=stride, preload=ahead, skip=skip), own
-    exe, own = _executors[key]
-    counters = own if counters is None else counters
+                                       x_stride=stride, preload=ahead), counters
+    exe, counters = _executors[key]
     out = torch.empty(M, n_out, dtype=out_dtype, device=x.device)
-    ws = z.view(1, M, n_out) if fusion.gate_after else torch.empty(
-        cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)
+    ws = torch.empty(cfg.split, M, N + (fusion.eps is not None), dtype=torch.float32, device=x.device)
     gamma = (norm_weight if norm_weight is not None else weight[0]).view(1, K)  # read only with RMSNorm
     exe(x, weight, gamma, acc if acc is not None else out, out, ws, counters)
     return out
