@@ -18,3 +18,6 @@ ln -sfn ../kernels kimi_inductor/kernels
 ln -sfn ../passes kimi_inductor/passes
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import cutlass, tvm_ffi, torch, triton; print('CuTe DSL', cutlass.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
+# a script's progress lines: "== <what> (<seconds since this file was sourced> s)"
+t0=$(date +%s)
+step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }

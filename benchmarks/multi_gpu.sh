@@ -9,8 +9,6 @@
 #  3. issue 19 item 2: the collectives the projection needs, in CUDA graphs;
 #  4. issue 18: the MoE layer with MXFP4 experts at EP 2.
 . benchmarks/gpu_env.sh || exit 3
-t0=$(date +%s)
-step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 step "gpu decode, 2 GPUs"
 timeout 150 python -m pytest -q -p no:cacheprovider "tests/test_gpu_decode.py::test_compiled_decode_on_gpus_agrees_with_stock[2]" \
     2>&1 | tail -2 | tee "$OUT/test_gpu_decode_2.txt"
