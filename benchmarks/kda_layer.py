@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
 
 from kda_kernel import vllm_core, vllm_native, vllm_native_weights  # noqa: E402
-from step_breakdown import kernel_table  # noqa: E402
+from step_breakdown import kernel_table, kernel_timeline  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
@@ -95,7 +95,8 @@ def main(argv=None) -> Results:
     p.add_argument("--vllm-native", help="vLLM 0.33.0's _C_stable_libtorch.abi3.so: time its native chain (q = 1)")
     p.add_argument("--profile", action="store_true",
                    help="also list the kernels of each side per row count (take it with KIMI_INDUCTOR_PDL=0: "
-                        "an early-launched kernel's wait counts in its duration)")
+                        "an early-launched kernel's wait counts in its duration) and kimi_specialized's timeline "
+                        "(kimi_timeline: with PDL its overlaps show where each kernel released the next)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -161,6 +162,7 @@ def main(argv=None) -> Results:
                 row[f"{name}_over_kimi"] = row[f"{name}_us"] / t_kimi
             if args.profile:
                 row["kimi_kernels_us"] = kernel_table(lambda: kimi(copies[0], x, slots, accepted, conv, rec))
+                row["kimi_timeline"] = kernel_timeline(lambda: kimi(copies[0], x, slots, accepted, conv, rec))
                 for name, (chain, extra) in chains.items() if q == 1 else ():
                     row[f"{name}_kernels_us"] = kernel_table(lambda: chain(copies[0], x, slots, conv, rec, extra[0]))
             res.add(**row)

@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
-from step_breakdown import kernel_table  # noqa: E402
+from step_breakdown import kernel_table, kernel_timeline  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.kernels import mla_decode as mla_kernel  # noqa: E402
@@ -86,7 +86,8 @@ def main(argv=None) -> Results:
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no timing")
     p.add_argument("--profile", action="store_true",
-                   help="also list kimi_specialized's kernels per row count (take it with KIMI_INDUCTOR_PDL=0)")
+                   help="also list kimi_specialized's kernels per row count (take it with KIMI_INDUCTOR_PDL=0) "
+                        "and its timeline (kimi_timeline: with PDL its overlaps show the release points)")
     p.add_argument("--bmm-ab", action="store_true",
                    help=f"also time kimi_specialized with other per-head GEMM tables: {', '.join(BMM_VARIANTS)}")
     p.add_argument("--merge-ab", action="store_true",
@@ -166,6 +167,8 @@ def main(argv=None) -> Results:
             if args.profile:
                 res.rows[-1]["kimi_kernels_us"] = kernel_table(
                     lambda: kimi(copies[0], x, slots, table, seq_lens, caches[0]), top=24)
+                res.rows[-1]["kimi_timeline"] = kernel_timeline(
+                    lambda: kimi(copies[0], x, slots, table, seq_lens, caches[0]))
     if args.json:
         res.dump(args.json)
     return res

@@ -37,8 +37,9 @@ PARTS = ("attention kda", "attention mla", "attn_res", "moe non-expert", "expert
          "entry / exit")
 
 
-def profile_kernels(fn, calls: int = 3) -> list[tuple[str, float]]:
-    """(name, microseconds) of every GPU kernel of ``calls`` calls of ``fn``, in start order."""
+def kernel_events(fn, calls: int = 3) -> list[tuple[str, float, float]]:
+    """(name, start, duration) in microseconds of every GPU kernel of ``calls`` calls of
+    ``fn``, in start order."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -53,7 +54,29 @@ def profile_kernels(fn, calls: int = 3) -> list[tuple[str, float]]:
         prof.export_chrome_trace(path)
         events = json.load(open(path))["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    return [(e["name"], float(e["dur"])) for e in kernels]
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in kernels]
+
+
+def profile_kernels(fn, calls: int = 3) -> list[tuple[str, float]]:
+    """(name, microseconds) of every GPU kernel of ``calls`` calls of ``fn``, in start order."""
+    return [(name, dur) for name, _, dur in kernel_events(fn, calls)]
+
+
+def kernel_timeline(fn, calls: int = 3) -> list[dict]:
+    """One call of ``fn`` as a timeline: each kernel's start and end in microseconds after
+    the call's first kernel started, the mean over ``calls`` calls of the same kernels.
+    With PDL a kernel starts when its CTAs are scheduled, before its wait, so a start
+    before the previous kernel's end is where that kernel released it."""
+    events = kernel_events(fn, calls)
+    n = len(events) // calls
+    if n * calls != len(events):
+        raise ValueError(f"{len(events)} kernels in {calls} calls: the calls differ, no one timeline")
+    out = []
+    for i in range(n):
+        per = [events[c * n + i] for c in range(calls)]
+        start = sum(ts - events[c * n][1] for c, (_, ts, _) in enumerate(per)) / calls
+        out.append(dict(kernel=per[0][0][:90], start_us=start, end_us=start + sum(d for *_, d in per) / calls))
+    return out
 
 
 def kernel_table(fn, calls: int = 3, top: int = 12) -> list[dict]:
