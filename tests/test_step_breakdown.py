@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from step_breakdown import ATTN_RES, breakdown, top_kernels  # noqa: E402
+from step_breakdown import ATTN_RES, breakdown, kernel_timeline, top_kernels  # noqa: E402
 
 LAYERS = [("kda", "dense"), ("mla", "moe")]
 
@@ -35,3 +35,16 @@ def test_top_kernels_per_part():
     assert top["experts"] == [("_combine_kernel", 11.0), ("_down_kernel", 10.0)]
     assert top["attention mla"] == [("_mla_split_kernel", 6.0), ("_combine_kernel", 1.0)]
     assert top["collectives"] == [("ncclDevKernel_AllReduce", 7.0)]
+
+
+def test_timeline_is_each_kernels_mean_offset_from_its_calls_start(monkeypatch):
+    # two calls of three kernels; the second starts early (PDL) in both
+    events = [("gemv", 0.0, 10.0), ("kda", 8.0, 5.0), ("o_proj", 12.0, 4.0),
+              ("gemv", 100.0, 12.0), ("kda", 109.0, 5.0), ("o_proj", 113.0, 6.0)]
+    monkeypatch.setattr("step_breakdown.kernel_events", lambda fn, calls: events)
+    assert kernel_timeline(None, calls=2) == [dict(kernel="gemv", start_us=0.0, end_us=11.0),
+                                              dict(kernel="kda", start_us=8.5, end_us=13.5),
+                                              dict(kernel="o_proj", start_us=12.5, end_us=17.5)]
+    events.pop()  # a call short of a kernel: no one timeline
+    with pytest.raises(ValueError, match="5 kernels in 2 calls"):
+        kernel_timeline(None, calls=2)
