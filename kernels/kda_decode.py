@@ -63,10 +63,6 @@ from kimi_inductor.stock.state import check_q
 from .common import INTERPRET, arrival_counters, bf16_round, pdl, pdl_release, pdl_wait, SMS, tl, triton
 
 NAMESPACE = "kimi_kernels"
-# experiment (session 28): the KDA kernel releases o_proj before its own wait, so that
-# o_proj's CTAs preload their weights while the in-projection drains, not beside this
-# kernel's loads (KIMI_INDUCTOR_KDA_RELEASE_FIRST=1; benchmarks/kda_release_ab.sh)
-RELEASE_FIRST = os.environ.get("KIMI_INDUCTOR_KDA_RELEASE_FIRST", "0") == "1"
 
 
 def supported(conv_width: int, head_dim: int) -> str:
@@ -90,10 +86,8 @@ if triton is not None:
         cnt_ptr,
         lower_bound, eps,
         H: tl.constexpr, D: tl.constexpr, Q: tl.constexpr, ROUND: tl.constexpr, DOT_F32: tl.constexpr,
-        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False,
+        NV: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
     ):
-        if RELEASE_FIRST:  # experiment: o_proj's CTAs preload during the in-projection's drain
-            pdl_release(PDL)
         pdl_wait(PDL, RELEASE=False)  # released below, after the loads
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -156,8 +150,7 @@ if triton is not None:
         # overwrites them (a token's state may land in the slot it started from, and
         # the new conv rows overlap the window; elements can be replicated across threads).
         tl.debug_barrier()
-        if not RELEASE_FIRST:
-            pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's first loads are out
+        pdl_release(PDL)  # o_proj's GEMV may stream its weights now: this kernel's first loads are out
 
         # the new conv state: the window's last two saved inputs, then the q tokens' own;
         # with a V split the q/k channels (read by every program of the head) are written
@@ -317,7 +310,7 @@ def kda_decode(
         recurrent_state, state_slots, num_accepted, out, lower_bound, norm_eps, nv, bc),
         H=H, D=D, Q=Q, ROUND=mixed_qkv.dtype == torch.bfloat16,
         DOT_F32=INTERPRET or mixed_qkv.dtype == torch.float32,  # the interpreter's bf16 dot is wrong
-        NV=nv, BC=bc, RELEASE_FIRST=RELEASE_FIRST, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
+        NV=nv, BC=bc, num_warps=4, **pdl(mixed_qkv.device))  # 4 beat 2, 8 and 16 at every size on H200: docs/results/kda_kernel_h200_v{1,2,3}.json
     return out
 
 
