@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
 
 from kda_kernel import vllm_core, vllm_native, vllm_native_weights  # noqa: E402
-from step_breakdown import kernel_table, kernel_timeline  # noqa: E402
+from step_breakdown import kernel_profile, kernel_table  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.baseline import stock_inductor  # noqa: E402
@@ -161,8 +161,8 @@ def main(argv=None) -> Results:
                 row[f"{name}_us"] = graph_time_us(lambda i: chain(copies[i % n], x, slots, conv, rec, extra[i % n]))
                 row[f"{name}_over_kimi"] = row[f"{name}_us"] / t_kimi
             if args.profile:
-                row["kimi_kernels_us"] = kernel_table(lambda: kimi(copies[0], x, slots, accepted, conv, rec))
-                row["kimi_timeline"] = kernel_timeline(lambda: kimi(copies[0], x, slots, accepted, conv, rec))
+                row["kimi_kernels_us"], row["kimi_timeline"] = kernel_profile(
+                    lambda: kimi(copies[0], x, slots, accepted, conv, rec))
                 for name, (chain, extra) in chains.items() if q == 1 else ():
                     row[f"{name}_kernels_us"] = kernel_table(lambda: chain(copies[0], x, slots, conv, rec, extra[0]))
             res.add(**row)

@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Results, floor_us, graph_time_us, require_rewritten  # noqa: E402
-from step_breakdown import kernel_table, kernel_timeline  # noqa: E402
+from step_breakdown import kernel_profile  # noqa: E402
 
 from kimi_inductor.backend import KimiSpecialized  # noqa: E402
 from kimi_inductor.kernels import mla_decode as mla_kernel  # noqa: E402
@@ -165,10 +165,8 @@ def main(argv=None) -> Results:
                 lower = next(p for p in backend.report.passes if p.name == "lower_kernels")
                 res.rows[-1]["bmm_kept"] = [s for s in lower.skipped if "per-head" in s]
             if args.profile:
-                res.rows[-1]["kimi_kernels_us"] = kernel_table(
+                res.rows[-1]["kimi_kernels_us"], res.rows[-1]["kimi_timeline"] = kernel_profile(
                     lambda: kimi(copies[0], x, slots, table, seq_lens, caches[0]), top=24)
-                res.rows[-1]["kimi_timeline"] = kernel_timeline(
-                    lambda: kimi(copies[0], x, slots, table, seq_lens, caches[0]))
     if args.json:
         res.dump(args.json)
     return res

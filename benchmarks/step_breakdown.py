@@ -62,30 +62,36 @@ def profile_kernels(fn, calls: int = 3) -> list[tuple[str, float]]:
     return [(name, dur) for name, _, dur in kernel_events(fn, calls)]
 
 
-def kernel_timeline(fn, calls: int = 3) -> list[dict]:
-    """One call of ``fn`` as a timeline: each kernel's start and end in microseconds after
-    the call's first kernel started, the mean over ``calls`` calls of the same kernels.
-    With PDL a kernel starts when its CTAs are scheduled, before its wait, so a start
-    before the previous kernel's end is where that kernel released it."""
-    events = kernel_events(fn, calls)
-    n = len(events) // calls
-    if n * calls != len(events):
-        raise ValueError(f"{len(events)} kernels in {calls} calls: the calls differ, no one timeline")
-    out = []
-    for i in range(n):
-        per = [events[c * n + i] for c in range(calls)]
-        start = sum(ts - events[c * n][1] for c, (_, ts, _) in enumerate(per)) / calls
-        out.append(dict(kernel=per[0][0][:90], start_us=start, end_us=start + sum(d for *_, d in per) / calls))
-    return out
+def _table(kernels: list[tuple[str, float]], calls: int, top: int) -> list[dict]:
+    """Costliest first: name and microseconds per call (``top`` of them)."""
+    per: dict[str, float] = {}
+    for name, us in kernels:
+        per[name] = per.get(name, 0.0) + us / calls
+    return [dict(kernel=k[:90], us=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def kernel_table(fn, calls: int = 3, top: int = 12) -> list[dict]:
     """The kernels of ``calls`` calls of ``fn``, costliest first: name and microseconds per
     call (``top`` of them)."""
-    per: dict[str, float] = {}
-    for name, us in profile_kernels(fn, calls):
-        per[name] = per.get(name, 0.0) + us / calls
-    return [dict(kernel=k[:90], us=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
+    return _table(profile_kernels(fn, calls), calls, top)
+
+
+def kernel_profile(fn, calls: int = 3, top: int = 12) -> tuple[list[dict], list[dict]]:
+    """``kernel_table`` and the timeline of one call of ``fn``, from one profile. The
+    timeline: each kernel's start and end in microseconds after the call's first kernel
+    started, the mean over ``calls`` calls of the same kernels. With PDL a kernel starts
+    when its CTAs are scheduled, before its wait, so a start before the previous kernel's
+    end is where that kernel released it."""
+    events = kernel_events(fn, calls)
+    n = len(events) // calls
+    if n * calls != len(events):
+        raise ValueError(f"{len(events)} kernels in {calls} calls: the calls differ, no one timeline")
+    timeline = []
+    for i in range(n):
+        per = [events[c * n + i] for c in range(calls)]
+        start = sum(ts - events[c * n][1] for c, (_, ts, _) in enumerate(per)) / calls
+        timeline.append(dict(kernel=per[0][0][:90], start_us=start, end_us=start + sum(d for *_, d in per) / calls))
+    return _table([(name, dur) for name, _, dur in events], calls, top), timeline
 
 
 def attribute(kernels: list[tuple[str, float]], layers: list[tuple[str, str]], calls: int):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from step_breakdown import ATTN_RES, breakdown, kernel_timeline, top_kernels  # noqa: E402
+from step_breakdown import ATTN_RES, breakdown, kernel_profile, top_kernels  # noqa: E402
 
 LAYERS = [("kda", "dense"), ("mla", "moe")]
 
@@ -42,9 +42,9 @@ def test_timeline_is_each_kernels_mean_offset_from_its_calls_start(monkeypatch):
     events = [("gemv", 0.0, 10.0), ("kda", 8.0, 5.0), ("o_proj", 12.0, 4.0),
               ("gemv", 100.0, 12.0), ("kda", 109.0, 5.0), ("o_proj", 113.0, 6.0)]
     monkeypatch.setattr("step_breakdown.kernel_events", lambda fn, calls: events)
-    assert kernel_timeline(None, calls=2) == [dict(kernel="gemv", start_us=0.0, end_us=11.0),
-                                              dict(kernel="kda", start_us=8.5, end_us=13.5),
-                                              dict(kernel="o_proj", start_us=12.5, end_us=17.5)]
+    assert kernel_profile(None, calls=2)[1] == [dict(kernel="gemv", start_us=0.0, end_us=11.0),
+                                                 dict(kernel="kda", start_us=8.5, end_us=13.5),
+                                                 dict(kernel="o_proj", start_us=12.5, end_us=17.5)]
     events.pop()  # a call short of a kernel: no one timeline
     with pytest.raises(ValueError, match="5 kernels in 2 calls"):
-        kernel_timeline(None, calls=2)
+        kernel_profile(None, calls=2)
